@@ -1,0 +1,232 @@
+"""The AR engine: continuous batching over a paged KV cache, one `step()` at a time."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnistage.engine.ar.block_manager import BlockManager
+from omnistage.engine.ar.detokenizer import IncrementalDetokenizer
+from omnistage.engine.ar.model import ARModel
+from omnistage.engine.ar.model_runner import ModelRunner
+from omnistage.engine.ar.sampler import Sampler, SampleRow
+from omnistage.engine.ar.scheduler import Scheduler
+from omnistage.engine.ar.sequence import Sequence
+from omnistage.engine.types import StageInput, StageOutput
+from omnistage.errors import ConfigError, RequestError
+from omnistage.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AREngineConfig:
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # Hidden states a request can ask for: output name -> layer (0 = embeddings, L = final).
+    hidden_state_layers: dict[str, int] = field(default_factory=dict)
+    default_params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+
+
+class AREngine:
+    def __init__(
+        self,
+        name: str,
+        model: ARModel,
+        config: AREngineConfig,
+        tokenizer: Any = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        if config.num_kv_blocks * config.block_size < config.max_model_len:
+            raise ConfigError(
+                f"stage {name!r}: the KV cache holds {config.num_kv_blocks * config.block_size} tokens, "
+                f"fewer than max_model_len={config.max_model_len}; lower max_model_len or raise the KV budget"
+            )
+        self.name = name
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        max_batched = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            max_batched = max(max_batched, config.max_model_len)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, max_batched, config.enable_chunked_prefill
+        )
+        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size)
+        self.sampler = Sampler(config.seed)
+        self.seqs: dict[str, Sequence] = {}
+        self.hidden_wanted: dict[str, bool] = {}
+        self._arrivals = 0
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate(self, inp: StageInput) -> SamplingParams:
+        """Check a request fits this stage; returns its effective params."""
+        params = inp.params or self.config.default_params
+        prompt_len = len(inp.token_ids)
+        limit = self.config.max_model_len
+        if prompt_len == 0 and inp.final:
+            raise RequestError("the prompt is empty; send at least one token", "prompt")
+        if prompt_len >= limit:
+            raise RequestError(
+                f"the prompt has {prompt_len} tokens but this model's context is {limit}; shorten it", "messages"
+            )
+        if params.max_tokens is not None and prompt_len + params.max_tokens > limit:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {prompt_len} tokens exceeds the context "
+                f"length {limit}; ask for at most {limit - prompt_len} tokens",
+                "max_tokens",
+            )
+        return params
+
+    def add_request(self, inp: StageInput) -> None:
+        params = self.validate(inp)
+        max_tokens = params.max_tokens or self.config.max_model_len - len(inp.token_ids)
+        seq = Sequence(
+            request_id=inp.request_id,
+            token_ids=list(inp.token_ids),
+            params=params,
+            max_tokens=max_tokens,
+            arrival=self._arrivals,
+            input_final=inp.final,
+        )
+        self._arrivals += 1
+        self._add_embeds(seq, inp, 0)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.token_ids, params.skip_special_tokens, params.stop,
+                params.include_stop_str_in_output,
+            )
+        self.hidden_wanted[seq.request_id] = inp.return_hidden_states
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_input_chunk(self, request_id: str, chunk: StageInput) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return  # aborted meanwhile
+        start = seq.num_tokens
+        seq.token_ids += chunk.token_ids
+        seq.num_prompt_tokens = seq.num_tokens
+        seq.input_final = chunk.final
+        self._add_embeds(seq, chunk, start)
+
+    @staticmethod
+    def _add_embeds(seq: Sequence, inp: StageInput, start: int) -> None:
+        if inp.embeds is not None:
+            for i, row in enumerate(inp.embeds):
+                seq.embeds[start + i] = row
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        self.hidden_wanted.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": sum(1 for c in self.block_manager.ref_counts if c),
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+    def shutdown(self) -> None:
+        for request_id in list(self.seqs):
+            self.abort(request_id)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[StageOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        layers = tuple(sorted(set(self.config.hidden_state_layers.values())))
+        want_hidden = layers and any(self.hidden_wanted.get(s.request_id) for s, _ in batch)
+        try:
+            result = self.runner.execute(batch, layers if want_hidden else ())
+            rows = [self._sample_row(batch[i][0]) for i in result.sample_rows]
+            token_ids, logprobs = self.sampler(result.logits, rows) if rows else ([], [])
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            logger.exception("stage %s: step failed", self.name)
+            return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq, _ in batch]
+
+        for seq, n in batch:
+            seq.num_computed += n
+            self.block_manager.register_full_blocks(seq)
+        sampled = {result.sample_rows[j]: (token_ids[j], logprobs[j]) for j in range(len(token_ids))}
+        outputs = []
+        for i, (seq, _) in enumerate(batch):
+            out = StageOutput(request_id=seq.request_id, stage=self.name)
+            if want_hidden and self.hidden_wanted.get(seq.request_id):
+                self._collect_hidden(seq, out, result.hidden, result.row_spans[i])
+            if i in sampled:
+                self._append_token(seq, out, *sampled[i])
+            if out.token_ids or out.hidden_states or out.finished:
+                out.num_prompt_tokens = seq.num_prompt_tokens
+                out.num_cached_tokens = seq.num_cached
+                out.num_output_tokens = seq.num_output_tokens
+                outputs.append(out)
+            if out.finished:
+                self.abort(seq.request_id)
+        return outputs
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        params = seq.params
+        banned: list[int] = []
+        if seq.num_output_tokens < params.min_tokens:
+            banned = sorted(self.eos_token_ids | set(params.stop_token_ids))
+        return SampleRow(params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator, banned)
+
+    def _collect_hidden(
+        self, seq: Sequence, out: StageOutput, hidden: dict[int, torch.Tensor], span: tuple[int, int]
+    ) -> None:
+        """Hidden rows for positions not yet sent (recomputed rows after preemption are skipped)."""
+        start_pos = seq.num_computed - (span[1] - span[0])
+        skip = max(0, seq.hidden_sent - start_pos)
+        if span[0] + skip >= span[1]:
+            return
+        for name, layer in self.config.hidden_state_layers.items():
+            out.hidden_states[name] = hidden[layer][span[0] + skip : span[1]]
+        seq.hidden_sent = seq.num_computed
+
+    def _append_token(self, seq: Sequence, out: StageOutput, token_id: int, logprob) -> None:
+        params = seq.params
+        seq.token_ids.append(token_id)
+        out.token_ids.append(token_id)
+        if logprob is not None:
+            out.logprobs = [logprob]
+        hit_stop_string = seq.detokenizer.add(token_id) if seq.detokenizer else False
+        # EOS and stop ids cannot be sampled before min_tokens (the sampler bans them).
+        reason = None
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if is_eos or token_id in params.stop_token_ids or hit_stop_string:
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            reason = "length"
+        out.finished = reason is not None
+        out.finish_reason = reason
+        if seq.detokenizer:
+            out.text = seq.detokenizer.take(final=out.finished)
+
+    def _fail(self, seq: Sequence, message: str) -> StageOutput:
+        self.abort(seq.request_id)
+        return StageOutput(
+            request_id=seq.request_id, stage=self.name, finished=True, finish_reason="error", error=message
+        )

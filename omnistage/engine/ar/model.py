@@ -1,0 +1,35 @@
+"""What a family hands the AR engine: a model that runs token-packed batches on a paged cache."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from omnistage.engine.ar.attention import AttentionMetadata, KVSpec
+
+
+class ARModel(Protocol):
+    kv_spec: KVSpec
+    device: torch.device
+    vocab_size: int
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, hidden] input embeddings."""
+        ...
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionMetadata,
+        embeds: torch.Tensor | None = None,  # [T, hidden]: replaces the token embeddings when given
+        output_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Returns final hidden states [T, hidden] and the requested layers' hidden states
+        (index 0 = embeddings, num_layers = final output)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits."""
+        ...

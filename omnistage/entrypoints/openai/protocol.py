@@ -1,0 +1,437 @@
+"""OpenAI wire format: typed request models (validated strictly, so a bad request fails with a message
+naming the field) and the response models the server renders. Nothing here knows a particular model."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from omnistage.sampling_params import SamplingParams
+
+MAX_N = 16
+
+
+def _omit_none(value: Any) -> bool:
+    return value is None
+
+
+def _optional(default: Any = None) -> Any:
+    """A response field left out of the JSON when unset (extensions and optional parts)."""
+    return Field(default, exclude_if=_omit_none)
+
+
+class _Strict(BaseModel):
+    """Request models: no type coercion ("5" is not 5) and no unknown fields, like OpenAI itself."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# ---------------------------------------------------------------- requests: messages
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class MediaURL(_Strict):
+    url: str
+
+
+class AudioURLPart(_Strict):
+    type: Literal["audio_url"]
+    audio_url: MediaURL
+
+
+class VideoURLPart(_Strict):
+    type: Literal["video_url"]
+    video_url: MediaURL
+
+
+class InputAudio(_Strict):
+    data: str  # base64
+    format: str
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[
+    TextPart | ImageURLPart | AudioURLPart | VideoURLPart | InputAudioPart, Field(discriminator="type")
+]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _needs_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a '{self.role}' message needs 'content' (a string or a list of content parts)")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for the runtime's chat template; 'developer' is OpenAI's newer name for 'system'."""
+        out = self.model_dump(exclude_none=True)
+        out.setdefault("content", "")
+        if out["role"] == "developer":
+            out["role"] = "system"
+        return out
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class AudioOptions(_Strict):
+    """Chat `audio` parameter: how spoken output is returned when `modalities` includes "audio"."""
+
+    voice: str | None = None
+    format: Literal["wav", "pcm16"] = "wav"
+
+
+# ---------------------------------------------------------------- requests: shared sampling fields
+
+
+class _SamplingRequest(_Strict):
+    """Fields common to chat and completions, plus omnistage extensions (top_k, min_p, ...)."""
+
+    model: str | None = None  # None: the served model
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    return_token_ids: bool = False  # extension: each choice also carries its generated token ids
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported; remove it")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def _requested_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """Deploy-config defaults overridden by what the client set. Raises InvalidParams (a 400) on
+        out-of-range values, naming the parameter."""
+        names = (
+            "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+            "include_stop_str_in_output",
+        )  # fmt: skip
+        params = defaults.with_overrides(**{name: getattr(self, name) for name in names})
+        # Set even when None: None max_tokens lets the runtime fill the remaining context.
+        return replace(params, max_tokens=self._requested_max_tokens(), logprobs=self._requested_logprobs())
+
+
+def seeded_copies(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One params per choice of an n-way fan-out; a seeded request gets seeds seed, seed+1, ... so the
+    choices differ yet the whole response stays reproducible."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + i) for i in range(n)]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    modalities: list[str] | None = None
+    audio: AudioOptions | None = None
+    # Accepted for client compatibility; rejected when they ask for something unsupported.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("messages must contain at least one message")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tools (function calling) are not supported yet; remove 'tools'")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("type") != "text":
+            raise ValueError('only response_format {"type": "text"} is supported')
+        return value
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens disagree; send only one")
+        return self
+
+    def _requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.to_dict() for m in self.messages]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("prompt must not be an empty list")
+            rows = value if isinstance(value[0], list) else [value] if isinstance(value[0], int) else []
+            for row in rows:
+                if not row:
+                    raise ValueError("a token-id prompt must not be empty")
+                if any(t < 0 for t in row):
+                    raise ValueError("token ids must be >= 0")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo=true is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (send n instead)")
+        return self
+
+    def _requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_inputs(self) -> list[dict[str, Any]]:
+        """One OmniRequest input per prompt of the batch: {"prompt": str} or {"prompt_token_ids": [...]}."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if isinstance(p[0], int):
+            return [{"prompt_token_ids": list(p)}]
+        return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = _optional()
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None = None
+
+
+class MessageAudio(BaseModel):
+    id: str
+    data: str  # base64 audio file (format chosen by the request)
+    expires_at: int
+    transcript: str
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    audio: MessageAudio | None = _optional()
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _optional()
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaAudio(BaseModel):
+    id: str | None = _optional()
+    data: str | None = _optional()  # base64 pcm16 little-endian mono
+    transcript: str | None = _optional()
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = _optional()
+    content: str | None = _optional()
+    audio: DeltaAudio | None = _optional()
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _optional()
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = _optional()
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _optional()
+
+
+class Completion(BaseModel):
+    """Both the full response and each stream chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = _optional()
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "omnistage"
+    max_model_len: int | None = _optional()
+    output_modalities: list[str] | None = _optional()
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+    @classmethod
+    def of(cls, message: str, type: str, param: str | None = None, code: str | None = None) -> ErrorResponse:
+        return cls(error=ErrorInfo(message=message, type=type, param=param, code=code))

@@ -1,0 +1,106 @@
+"""Any transformers causal LM (Qwen2, Qwen3, Llama, ...): one AR stage that produces text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from omnistage.config.deploy import DeployConfig
+from omnistage.engine.ar.engine import AREngine, AREngineConfig
+from omnistage.engine.ar.memory import plan_num_blocks
+from omnistage.engine.types import StageInput
+from omnistage.errors import RequestError
+from omnistage.families import hf
+from omnistage.families.base import CheckpointInfo, Pipeline, StageSpec
+from omnistage.runtime.messages import OmniRequest
+from omnistage.sampling_params import SamplingParams
+
+_SUPPORTED = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+class TextPipeline(Pipeline):
+    """Shared by every family whose entry stage is a tokenizer-driven LM."""
+
+    def tokenize(self, request: OmniRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+            if any(not 0 <= t < len(self.tokenizer) for t in ids):
+                raise RequestError(f"prompt token ids must be in [0, {len(self.tokenizer)})", "prompt")
+            return ids
+        if request.prompt is not None:
+            return self.tokenizer.encode(request.prompt, add_special_tokens=True)
+        if not request.messages:
+            raise RequestError("messages must contain at least one message", "messages")
+        if self.tokenizer.chat_template is None:
+            raise RequestError("this model has no chat template; use /v1/completions with a prompt", "messages")
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            ))
+        except Exception as exc:  # template errors are the caller's messages' fault
+            raise RequestError(f"could not apply the chat template to these messages: {exc}", "messages") from None
+
+    def entry_params(self, request: OmniRequest) -> SamplingParams:
+        defaults = self.stage_config(self.entry).sampling_params()
+        return request.stage_params.get(self.entry) or request.stage_params.get("*") or defaults
+
+
+class CausalLMPipeline(TextPipeline):
+    def preprocess(self, request: OmniRequest) -> StageInput:
+        return StageInput(request.request_id, self.tokenize(request), params=self.entry_params(request))
+
+    def build_engine(self, stage: str, device: str | None = None) -> AREngine:
+        return build_ar_engine(self, stage, device)
+
+
+def build_ar_engine(
+    pipeline: Pipeline, stage: str, devices: str | None = None, hidden_state_layers: dict[str, int] | None = None
+) -> AREngine:
+    """Load an HF causal LM checkpoint as the AR engine of `stage`."""
+    cfg = pipeline.stage_config(stage)
+    device = hf.resolve_device(devices or cfg.devices)
+    model, config = hf.load_causal_lm(pipeline.model_path, cfg.dtype, device)
+    tokenizer = hf.load_tokenizer(pipeline.model_path)
+    ar_model = hf.HFCausalLM(model, config)
+    max_model_len = context_length(config, cfg.max_model_len)
+    num_blocks = plan_num_blocks(
+        ar_model.kv_spec, cfg.block_size, device, max_model_len, cfg.max_num_seqs,
+        cfg.num_kv_blocks, cfg.kv_cache_memory_gb, cfg.gpu_memory_utilization,
+    )
+    engine_cfg = AREngineConfig(
+        max_model_len=max_model_len,
+        num_kv_blocks=num_blocks,
+        block_size=cfg.block_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        hidden_state_layers=hidden_state_layers or {},
+        default_params=cfg.sampling_params(),
+    )
+    return AREngine(stage, ar_model, engine_cfg, tokenizer, hf.eos_token_ids(pipeline.model_path, config, tokenizer))
+
+
+def context_length(config: Any, configured: int | None) -> int:
+    native = getattr(config.get_text_config(), "max_position_embeddings", None) or 2048
+    return min(native, configured) if configured else native
+
+
+class CausalLMFamily:
+    name = "causal_lm"
+
+    def matches(self, info: CheckpointInfo) -> bool:
+        return any(arch in _SUPPORTED for arch in info.architectures)
+
+    def default_deploy(self, info: CheckpointInfo) -> dict[str, Any]:
+        return {}
+
+    def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> CausalLMPipeline:
+        deploy.check_stage_names(["lm"])
+        pipeline = CausalLMPipeline(info.path, deploy, [StageSpec("lm", "ar", outputs=("text",))])
+        pipeline.tokenizer = hf.load_tokenizer(info.path)
+        pipeline.max_model_len = context_length(
+            hf.AutoConfig.from_pretrained(info.path), deploy.stage("lm").max_model_len
+        )
+        return pipeline

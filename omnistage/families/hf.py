@@ -1,0 +1,178 @@
+"""Running transformers model classes inside omnistage engines.
+
+transformers lets a model use an attention function of ours. Registered under ATTN_IMPL, it
+receives each layer's Q/K/V for one packed row of tokens and hands them to the engine's paged
+attention, which knows sequence boundaries from the metadata passed through the forward's
+kwargs; the mask builder therefore returns no mask. Shared by every family built on HF classes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers.initialization import no_init_weights
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from omnistage.engine.ar.attention import AttentionMetadata, KVSpec, paged_attention
+from omnistage.errors import ConfigError
+
+ATTN_IMPL = "omnistage_paged"
+_METADATA_KWARG = "omnistage_attn"
+
+
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, KVH, T, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    meta: AttentionMetadata = kwargs[_METADATA_KWARG]
+    out = paged_attention(
+        module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        meta, scaling, sliding_window,
+    )
+    return out.unsqueeze(0), None  # [1, T, H, D], as transformers expects
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+ALL_ATTENTION_FUNCTIONS.register(ATTN_IMPL, _attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPL, _no_mask)
+
+
+def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and less exact
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = getattr(torch, stored) if isinstance(stored, str) else stored
+    return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def resolve_device(devices: str | None) -> torch.device:
+    if devices is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    first = devices.split(",")[0].strip()
+    return torch.device("cpu" if first == "cpu" else f"cuda:{first}")
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{str(path)!r} has no .safetensors weights")
+    return files
+
+
+def load_weights(model: nn.Module, path: Path, prefix_map: dict[str, str] | None = None) -> None:
+    """Copy checkpoint tensors straight into the model's (device, dtype) parameters, one tensor
+    at a time, so no full-precision copy of the model ever exists."""
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    device = next(model.parameters()).device
+    loaded: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                name = key
+                for old, new in (prefix_map or {}).items():
+                    if name.startswith(old):
+                        name = new + name[len(old) :]
+                target = params.get(name)
+                if target is None:
+                    continue
+                tensor = f.get_tensor(key)
+                if tensor.shape != target.shape:
+                    raise ConfigError(f"{key}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(tensor)
+                loaded.add(name)
+    model.tie_weights()
+    tied = {name for name, p in model.named_parameters() if any(p is params[n] for n in loaded)}
+    missing = [n for n, _ in model.named_parameters() if n not in loaded and n not in tied]
+    if missing:
+        raise ConfigError(f"checkpoint {str(path)!r} lacks weights for: {', '.join(missing[:5])}")
+
+
+def load_causal_lm(path: Path, dtype_name: str, device: torch.device) -> tuple[nn.Module, PretrainedConfig]:
+    config = AutoConfig.from_pretrained(path)
+    dtype = resolve_dtype(dtype_name, config, device)
+    with torch.device(device), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPL)
+    load_weights(model, path)
+    return model.eval(), config
+
+
+def load_tokenizer(path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(path: Path, config: PretrainedConfig, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    candidates = [json.loads(gen.read_text()).get("eos_token_id")] if gen.is_file() else []
+    candidates += [getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    for value in candidates:
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return tuple(ids)
+
+
+class HFCausalLM:
+    """An HF causal LM seen through the AR engine's ARModel interface."""
+
+    def __init__(self, model: nn.Module, config: PretrainedConfig):
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        text = config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        param = next(model.parameters())
+        self.kv_spec = KVSpec(text.num_hidden_layers, kv_heads, head_dim, param.dtype)
+        self.device = param.device
+        self.vocab_size = text.vocab_size
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(token_ids)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        embeds: torch.Tensor | None = None,
+        output_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        inputs = {"inputs_embeds": embeds[None]} if embeds is not None else {"input_ids": token_ids[None]}
+        out = self.decoder(
+            **inputs,
+            position_ids=positions[None],
+            use_cache=False,
+            output_hidden_states=bool(output_layers),
+            **{_METADATA_KWARG: attn},
+        )
+        layers = {i: out.hidden_states[i][0] for i in output_layers}
+        return out.last_hidden_state[0], layers
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

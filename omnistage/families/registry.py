@@ -1,0 +1,45 @@
+"""Finds the family that serves a checkpoint, from config.json or model_index.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omnistage.errors import ConfigError
+from omnistage.families.base import CheckpointInfo, Family
+
+
+def _families() -> list[Family]:
+    # Imported lazily so that importing the registry stays cheap; specific families first.
+    from omnistage.families.causal_lm import CausalLMFamily
+
+    return [*_extra_families, CausalLMFamily()]
+
+
+_extra_families: list[Family] = []
+
+
+def register_family(family: Family) -> None:
+    """Add a family ahead of the built-in ones (plugins and tests)."""
+    _extra_families.insert(0, family)
+
+
+def unregister_family(family: Family) -> None:
+    _extra_families.remove(family)
+
+
+def detect_family(model_path: str | Path) -> tuple[Family, CheckpointInfo]:
+    path = Path(model_path)
+    if not path.exists():
+        raise ConfigError(
+            f"model path {str(path)!r} does not exist (model hubs are not contacted; pass a local checkpoint)"
+        )
+    if not path.is_dir():
+        raise ConfigError(f"model path {str(path)!r} is not a directory with a checkpoint")
+    info = CheckpointInfo.read(path)
+    if info.config is None and info.model_index is None:
+        raise ConfigError(f"{str(path)!r} has neither config.json nor model_index.json; is it a checkpoint?")
+    for family in _families():
+        if family.matches(info):
+            return family, info
+    found = ", ".join(info.architectures) or info.class_name or "no architecture"
+    raise ConfigError(f"{str(path)!r} ({found}) is not a supported model family")

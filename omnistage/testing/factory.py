@@ -1,0 +1,153 @@
+"""Tiny random-weight HF checkpoints for tests and demos.
+
+Everything is built locally (no hub access): a byte-level BPE tokenizer trained on a bundled corpus and a
+2-layer model of a real architecture, so the server loads them through the same code paths as real models.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Bump whenever the produced files change, so stale cached checkpoints are not reused.
+FACTORY_VERSION = 1
+
+_HERE = Path(__file__).resolve().parent
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VOCAB_SIZE = 512
+
+# Default init (std 0.02) gives a residual stream dominated by the (tied) token embedding, so greedy decoding
+# just repeats one token, and logits are nearly flat (std ~0.16), so argmax near-ties flip between attention
+# kernels. Scaling the block weights makes every layer move the residual stream (varied greedy output), and
+# scaling the final norm spreads the logits (std ~3, median top-1 margin ~0.75, min ~1.5e-3 measured over
+# 1920 greedy steps, 3 archs x 4 seeds). Argmax itself is unaffected by the final-norm scale.
+_QK_SCALE = 5.0
+_LAYER_SCALE = 8.0
+_LOGIT_SCALE = 20.0
+_ROW_SIGMA = 0.0
+
+
+def make_tokenizer(out_dir: str | Path) -> Path:
+    """Train a small byte-level BPE on the bundled corpus and save it as a fast HF tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    # Same pipeline transformers' Qwen2Tokenizer rebuilds on load (AutoTokenizer forces that class for qwen2
+    # configs), so HF and a raw `tokenizers` load of tokenizer.json give identical ids for every arch.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = (_HERE / "corpus.txt").read_text(encoding="utf-8")
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=1024,
+    )
+    fast.chat_template = (_HERE / "chat_template.jinja").read_text(encoding="utf-8")
+    fast.save_pretrained(out)
+    return out
+
+
+def _config(arch: str, tokenizer: Any, overrides: dict[str, Any]) -> Any:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
+    if arch not in classes:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(classes)}")
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kwargs: dict[str, Any] = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        bos_token_id=eot,
+        eos_token_id=eos,
+        pad_token_id=eot,
+        tie_word_embeddings=arch != "llama",
+    )
+    kwargs.update(overrides)
+    return classes[arch](**kwargs)
+
+
+@torch.no_grad()
+def _make_peaky(model: torch.nn.Module, special_ids: list[int]) -> None:
+    """Rescale random weights so greedy output varies and logits are well separated (see module consts)."""
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or "embed_tokens" in name or "lm_head" in name:
+            continue
+        p.mul_(_QK_SCALE if name.endswith(("q_proj.weight", "k_proj.weight")) else _LAYER_SCALE)
+    model.model.norm.weight.mul_(_LOGIT_SCALE)
+    # Keep special tokens out of greedy output so generations run to max_tokens deterministically.
+    w = model.get_output_embeddings().weight
+    g = torch.Generator().manual_seed(1234)
+    w.mul_(torch.exp(_ROW_SIGMA * torch.randn(w.shape[0], 1, generator=g)))
+    w[special_ids] *= 0.1
+
+
+def make_tiny_causal_lm(out_dir: str | Path, arch: str = "qwen2", seed: int = 0, **config_overrides: Any) -> Path:
+    """Write tokenizer + random-weight model of `arch` into `out_dir`; deterministic per (arch, seed, overrides)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = make_tokenizer(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    config = _config(arch, tokenizer, config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    special_ids = [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
+    _make_peaky(model, special_ids)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        do_sample=False,
+    )
+    model.save_pretrained(out)
+    return out
+
+
+def tiny_checkpoint(arch: str = "qwen2", seed: int = 0) -> Path:
+    """Return a cached tiny checkpoint, building it atomically (tmp dir + rename) so concurrent callers are safe."""
+    root = Path(os.environ.get("OMNISTAGE_CACHE") or Path.home() / ".cache" / "omnistage" / "tiny")
+    final = root / f"{arch}-s{seed}-v{FACTORY_VERSION}"
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        make_tiny_causal_lm(tmp, arch=arch, seed=seed)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # lost the race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
