@@ -47,6 +47,7 @@ class StageOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    error_status: int = 500  # HTTP status for the caller when `error` is set
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # cumulative count, so usage is always at hand
@@ -61,7 +62,8 @@ class StageOutput:
             mine, theirs = getattr(self, attr), getattr(later, attr)
             for key, value in theirs.items():
                 mine[key] = torch.cat([mine[key], value]) if key in mine else value
-        self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.error, self.error_status = later.error, later.error_status
         self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = later.num_cached_tokens or self.num_cached_tokens
         self.num_output_tokens = later.num_output_tokens
