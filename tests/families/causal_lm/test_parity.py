@@ -1,0 +1,111 @@
+"""Greedy tokens through omnistage equal HF transformers `generate`, for every engine feature
+that must not change outputs: batching, prefix caching, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from omnistage import Omni, SamplingParams
+
+TEXTS = [
+    "Hello",
+    "The river ran quietly past the old mill, and nobody in the village noticed",
+    "Numbers like 1234 and 5678 appear here.",
+    "A longer prompt that keeps going so that it spans several KV blocks and several prefill chunks, "
+    "which is exactly what the engine has to get right when it packs sequences together.",
+    "Short one",
+    "Why?",
+]
+MAX_NEW = 24
+
+SETTINGS = {
+    "default": {},
+    "no_prefix_cache": {"enable_prefix_caching": False},
+    "small_chunks": {"max_num_batched_tokens": 16, "block_size": 4},
+    "no_chunked_prefill": {"enable_chunked_prefill": False, "max_num_batched_tokens": 16},
+    "preemption": {"num_kv_blocks": 36, "block_size": 4, "max_num_batched_tokens": 32},
+    "one_seq_at_a_time": {"max_num_seqs": 1},
+}
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new: int, stop_at_eos: bool) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    outs = []
+    for ids in prompts:
+        gen = model.generate(
+            torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+            eos_token_id=eos if stop_at_eos else None, pad_token_id=0,
+        )[0, len(ids):].tolist()
+        if stop_at_eos and eos in gen:
+            gen = gen[: gen.index(eos) + 1]
+        outs.append(gen)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def hf_reference(request):
+    cache: dict = {}
+
+    def get(path: str, stop_at_eos: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+        key = (path, stop_at_eos)
+        if key not in cache:
+            tok = AutoTokenizer.from_pretrained(path)
+            prompts = [tok.encode(t) for t in TEXTS]
+            cache[key] = prompts, hf_greedy(path, prompts, MAX_NEW, stop_at_eos)
+        return cache[key]
+
+    return get
+
+
+def deploy(**stage: object) -> dict:
+    return {"stages": {"lm": {"max_model_len": 128} | stage}}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_matches_hf(tiny_lm: str, hf_reference, setting: str) -> None:
+    prompts, expected = hf_reference(tiny_lm)
+    with Omni(tiny_lm, deploy(**SETTINGS[setting])) as omni:
+        outs = omni.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+        stats = omni.stats()["lm"]
+    assert [o.error for o in outs] == [None] * len(outs)
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.finish_reason == "length" for o in outs)
+    if setting == "preemption":
+        assert stats["num_preemptions"] > 0, "the setting was meant to force preemption"
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+
+
+def test_stops_at_eos_like_hf(tiny_qwen2: str, hf_reference) -> None:
+    prompts, expected = hf_reference(tiny_qwen2, stop_at_eos=True)
+    with Omni(tiny_qwen2, deploy()) as omni:
+        outs = omni.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0))
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_prefix_cache_hits_keep_outputs(tiny_qwen2: str) -> None:
+    shared = TEXTS[3]
+    prompts = [shared + " first", shared + " second ending", shared]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with Omni(tiny_qwen2, deploy(enable_prefix_caching=False)) as omni:
+        plain = omni.generate(prompts, params)
+    with Omni(tiny_qwen2, deploy(block_size=4)) as omni:
+        omni.generate(prompts[:1], params)  # warms the cache
+        cached = omni.generate(prompts, params)
+    assert [o.error for o in cached + plain] == [None] * 6
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    assert all(o.num_cached_tokens >= 40 for o in cached), [o.num_cached_tokens for o in cached]
+
+
+def test_chat_messages_use_the_chat_template(tiny_qwen2: str) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = hf_greedy(tiny_qwen2, [list(ids)], 12, stop_at_eos=False)[0]
+    with Omni(tiny_qwen2, deploy()) as omni:
+        (out,) = omni.generate([messages], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert out.token_ids == expected
+    assert out.num_prompt_tokens == len(ids)
+    assert out.text == tok.decode(expected, skip_special_tokens=True)
