@@ -14,6 +14,7 @@ from omnistage.runtime.messages import OmniOutput, OmniRequest
 from omnistage.sampling_params import SamplingParams
 
 Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
+Params = SamplingParams | dict[str, SamplingParams]  # for every stage, or by stage name
 
 
 class Omni:
@@ -24,9 +25,9 @@ class Omni:
         self.tokenizer = self.pipeline.tokenizer
         self._ids = itertools.count()
 
-    def _request(self, prompt: Prompt, params: SamplingParams | None, modalities: tuple[str, ...]) -> OmniRequest:
+    def _request(self, prompt: Prompt, params: Params | None, modalities: tuple[str, ...]) -> OmniRequest:
         rid = f"omni-{next(self._ids)}"
-        stage_params = {"*": params} if params is not None else {}
+        stage_params = params if isinstance(params, dict) else {"*": params} if params is not None else {}
         common = {"request_id": rid, "stage_params": stage_params, "output_modalities": modalities}
         if isinstance(prompt, str):
             return OmniRequest(prompt=prompt, **common)
@@ -37,14 +38,16 @@ class Omni:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: Params | Sequence[Params] | None = None,
         output_modalities: tuple[str, ...] = ("text",),
     ) -> list[OmniOutput]:
         """Run every prompt concurrently (they batch inside the engines); results in input order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]  # one prompt: text, token ids or chat messages
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
-        requests = [self._request(p, sp, output_modalities) for p, sp in zip(prompts, params)]
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one each")
+        requests = [self._request(p, sp, output_modalities) for p, sp in zip(prompts, params, strict=True)]
         done: queue.SimpleQueue[OmniOutput] = queue.SimpleQueue()
         results = {r.request_id: OmniOutput(r.request_id) for r in requests}
         submitted = []

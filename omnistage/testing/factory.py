@@ -22,13 +22,13 @@ _HERE = Path(__file__).resolve().parent
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VOCAB_SIZE = 512
 
-# Default init (std 0.02) leaves the residual stream dominated by the (tied) token embedding, so greedy decoding
-# repeats one token, and logits are nearly flat (std ~0.16), so argmax near-ties flip between attention
-# kernels. Scaling the block weights makes every layer move the residual stream (varied greedy output); giving
-# output-embedding rows log-normal norms makes the top logit stand out from the rest (heavier upper tail), and
-# scaling the final norm spreads logits to std ~3. Measured over 1920 greedy steps (3 archs x 4 seeds x 8
-# chat prompts x 20 tokens): top-1 margin median ~1.0, 1st percentile ~0.015, 0.2% of steps below 1e-3
-# (min ~9e-5); seed 0 min >= 3.8e-4. fp32 eager and sdpa greedy outputs match exactly; bf16 does not.
+# Default init (std 0.02) leaves the residual stream dominated by the (tied) token embedding, so greedy
+# decoding repeats one token, and logits are nearly flat (std ~0.16), so argmax near-ties flip between
+# attention kernels. Scaling block weights makes every layer move the residual stream (varied greedy output);
+# log-normal output-embedding row norms make the top logit stand out (heavier upper tail); scaling the final
+# norm spreads logits to std ~3. Measured over 1920 greedy steps (3 archs x 4 seeds x 8 chat prompts x 20
+# tokens): top-1 margin median ~1.0, 1st percentile ~0.015, 0.2% of steps below 1e-3 (min ~9e-5); with
+# seed 0 the min is >= 3.8e-4. fp32 eager and sdpa greedy outputs match exactly; bf16 ones do not.
 _QK_SCALE = 5.0
 _LAYER_SCALE = 8.0
 _LOGIT_SCALE = 20.0
@@ -120,8 +120,10 @@ def _make_peaky(model: torch.nn.Module, special_ids: list[int]) -> None:
     out_emb[special_ids] *= 0.1
 
 
-def make_tiny_causal_lm(out_dir: str | Path, arch: str = "qwen2", seed: int = 0, **config_overrides: Any) -> Path:
-    """Write tokenizer + random-weight model of `arch` into `out_dir`; deterministic per (arch, seed, overrides)."""
+def make_tiny_causal_lm(
+    out_dir: str | Path, arch: str = "qwen2", seed: int = 0, **config_overrides: Any
+) -> Path:
+    """Write tokenizer + random `arch` model to `out_dir`; identical bytes for identical arguments."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     out = make_tokenizer(out_dir)
@@ -143,13 +145,17 @@ def make_tiny_causal_lm(out_dir: str | Path, arch: str = "qwen2", seed: int = 0,
 
 
 def tiny_checkpoint(arch: str = "qwen2", seed: int = 0) -> Path:
-    """Return a cached tiny checkpoint, building it atomically (tmp dir + rename) so concurrent callers are safe."""
+    """Return a cached tiny checkpoint dir, built atomically (tmp dir + rename): safe for concurrent callers.
+
+    Cache root: $OMNISTAGE_CACHE (default ~/.cache/omnistage/tiny); entries are keyed by FACTORY_VERSION.
+    """
     root = Path(os.environ.get("OMNISTAGE_CACHE") or Path.home() / ".cache" / "omnistage" / "tiny")
     final = root / f"{arch}-s{seed}-v{FACTORY_VERSION}"
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         make_tiny_causal_lm(tmp, arch=arch, seed=seed)
         try:

@@ -134,7 +134,7 @@ class Sampler:
             out[i] = TokenLogprob(
                 token_id=token_ids[i],
                 logprob=raw[i, token_ids[i]].item(),
-                top=list(zip(top_ids.tolist(), top_values.tolist())),
+                top=list(zip(top_ids.tolist(), top_values.tolist(), strict=True)),
             )
         return out
 

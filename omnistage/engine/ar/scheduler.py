@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from omnistage.engine.ar.block_manager import BlockManager
-from omnistage.engine.ar.sequence import Sequence, SeqStatus
+from omnistage.engine.ar.sequence import SeqStatus, Sequence
 
 
 class Scheduler:

@@ -240,18 +240,30 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("prompt must not be an empty list")
-            rows = value if isinstance(value[0], list) else [value] if isinstance(value[0], int) else []
-            for row in rows:
-                if not row:
-                    raise ValueError("a token-id prompt must not be empty")
-                if any(t < 0 for t in row):
-                    raise ValueError("token ids must be >= 0")
+        """One clear message for every wrong shape, instead of one error per union member."""
+
+        def token_ids(row: Any) -> bool:
+            return isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in row)
+
+        if isinstance(value, str):
+            return value
+        shape_ok = isinstance(value, list) and (
+            all(isinstance(x, str) for x in value) or token_ids(value) or all(token_ids(x) for x in value)
+        )
+        if not shape_ok:
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+            )
+        if not value:
+            raise ValueError("prompt must not be an empty list")
+        for row in value if isinstance(value[0], list) else [value] if isinstance(value[0], int) else []:
+            if not row:
+                raise ValueError("a token-id prompt must not be empty")
+            if min(row) < 0:
+                raise ValueError("token ids must be >= 0")
         return value
 
     @model_validator(mode="after")

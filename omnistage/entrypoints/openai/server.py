@@ -118,14 +118,14 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
         if kind == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             return f"request body is not valid JSON ({detail}); send a JSON object", None
-        if not path:
+        if kind == "value_error":  # our own validators already name the field and the fix
+            items.append((path, raw.removeprefix("Value error, ")))
+        elif not path:
             items.append(("", "request body must be a JSON object"))
         elif kind == "missing":
             items.append((path, f"'{path}' is required"))
         elif kind == "extra_forbidden":
             items.append((path, f"unknown field '{path}'; remove it"))
-        elif kind == "value_error":  # our own validators already name the field and the fix
-            items.append((path, raw.removeprefix("Value error, ")))
         else:
             got = err.get("input")
             shown = "" if isinstance(got, dict | list) else f" (got {_short(got)})"

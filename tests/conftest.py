@@ -1,0 +1,35 @@
+"""Shared fixtures. Tests never touch a model hub: tiny checkpoints are built locally and cached."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+
+from omnistage.testing import tiny_checkpoint  # noqa: E402
+
+TINY_ARCHS = ["qwen2", "qwen3", "llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> str:
+    return str(tiny_checkpoint("qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> str:
+    return str(tiny_checkpoint("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHS)
+def tiny_lm(request: pytest.FixtureRequest) -> str:
+    """Parametrized over every tiny architecture; tests using it run once per arch."""
+    return str(tiny_checkpoint(request.param))

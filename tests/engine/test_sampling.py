@@ -1,0 +1,110 @@
+"""Sampling through the real engine on a tiny checkpoint: seeds, filters, penalties, logprobs,
+stop conditions. Each test compares against an independent computation, not a recorded value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from omnistage import Omni, SamplingParams
+from omnistage.engine.ar.sampler import Sampler, SampleRow, apply_penalties
+
+PROMPTS = ["Once upon a time", "The weather today", "Numbers: 1, 2, 3", "Why"]
+
+
+@pytest.fixture(scope="module")
+def omni(tiny_qwen2: str):
+    with Omni(tiny_qwen2, {"stages": {"lm": {"max_model_len": 128}}}) as o:
+        yield o
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(omni: Omni) -> None:
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    alone = omni.generate([PROMPTS[0]], params)[0].token_ids
+    again = omni.generate([PROMPTS[0]], params)[0].token_ids
+    mixed = omni.generate(
+        [PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+        [SamplingParams(max_tokens=9, temperature=0.7, seed=1), params, SamplingParams(max_tokens=20, temperature=0)],
+    )[1].token_ids
+    assert alone == again == mixed
+    other_seed = omni.generate([PROMPTS[0]], params.with_overrides(seed=8))[0].token_ids
+    assert other_seed != alone
+
+
+def test_greedy_and_top_k_1_agree(omni: Omni) -> None:
+    greedy = omni.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    top1 = omni.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=1.5, top_k=1, ignore_eos=True))
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in top1]
+
+
+def test_logprobs_match_hf_distribution(omni: Omni, tiny_qwen2: str) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
+    (out,) = omni.generate([PROMPTS[2]], params)
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    ids = tok.encode(PROMPTS[2]) + out.token_ids
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    n_prompt = len(ids) - len(out.token_ids)
+    assert len(out.logprobs) == 4
+    for i, lp in enumerate(out.logprobs):
+        row = ref[n_prompt - 1 + i]
+        assert lp.token_id == out.token_ids[i] == row.argmax().item()
+        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
+        top_ids = [t for t, _ in lp.top]
+        assert top_ids == row.topk(3).indices.tolist()
+
+
+def test_stop_conditions(omni: Omni) -> None:
+    base = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    (full,) = omni.generate([PROMPTS[0]], base)
+    # stop_token_ids: stops right after the first occurrence of the 5th generated token
+    stop_id = full.token_ids[4]
+    (out,) = omni.generate([PROMPTS[0]], base.with_overrides(stop_token_ids=[stop_id]))
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+    assert out.finish_reason == "stop"
+    # stop strings: text is cut before the stop string, which is not returned
+    stop = full.text[5:8]
+    (out,) = omni.generate([PROMPTS[0]], base.with_overrides(stop=[stop]))
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)]
+    (out,) = omni.generate([PROMPTS[0]], base.with_overrides(stop=[stop], include_stop_str_in_output=True))
+    assert out.text == full.text[: full.text.index(stop) + len(stop)]
+    # max_tokens
+    (out,) = omni.generate([PROMPTS[0]], base.with_overrides(max_tokens=3))
+    assert out.token_ids == full.token_ids[:3] and out.finish_reason == "length"
+
+
+def test_min_tokens_defers_eos(omni: Omni) -> None:
+    eos = omni.orchestrator.workers["lm"][0].engine.eos_token_ids
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=3, min_tokens=12, stop_token_ids=[])
+    outs = omni.generate(PROMPTS * 3, params)
+    for out in outs:
+        assert len(out.token_ids) >= 12
+        assert not set(out.token_ids[:11]) & eos
+
+
+def test_penalties_against_direct_formula() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [1.0, 1.0, 1.0, 1.0]])
+    rows = [
+        SampleRow(SamplingParams(repetition_penalty=2.0), [0], [1], None, []),
+        SampleRow(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [3], [2, 2, 0], None, [3]),
+    ]
+    out = apply_penalties(logits.clone(), rows)
+    assert out[0].tolist() == [1.0, -2.0, 0.5, 3.0]
+    assert out[1, :3].tolist() == [1.0 - 0.5 - 0.25, 1.0, 1.0 - 1.0 - 0.25]
+    assert out[1, 3] == float("-inf")
+
+
+def test_top_p_and_min_p_keep_the_right_tokens() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    sampler = Sampler(seed=0)
+    for params, allowed in [
+        (SamplingParams(temperature=1.0, top_p=0.7), {0, 1}),
+        (SamplingParams(temperature=1.0, min_p=0.25), {0, 1, 2}),
+        (SamplingParams(temperature=1.0, top_k=2), {0, 1}),
+    ]:
+        seen = {sampler(logits, [SampleRow(params, [], [], None, [])])[0][0] for _ in range(300)}
+        assert seen == allowed, params
