@@ -137,6 +137,12 @@ def eos_token_ids(path: Path, config: PretrainedConfig, tokenizer: Any) -> tuple
     return tuple(ids)
 
 
+# Decoders whose forward is exactly: embed -> rotary -> layers -> norm. For these we run the layer
+# loop ourselves, skipping transformers' mask and output-recording machinery: less Python per step,
+# and nothing in it syncs with the host, so the decode step can be captured in a CUDA graph.
+_PLAIN_DECODERS = {"qwen2", "qwen3", "llama", "mistral"}
+
+
 class HFCausalLM:
     """An HF causal LM seen through the AR engine's ARModel interface."""
 
@@ -144,6 +150,7 @@ class HFCausalLM:
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        self.graph_safe = config.get_text_config().model_type in _PLAIN_DECODERS
         text = config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -163,6 +170,8 @@ class HFCausalLM:
         embeds: torch.Tensor | None = None,
         output_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        if self.graph_safe:
+            return self._plain_forward(token_ids, positions, attn, embeds, output_layers)
         inputs = {"inputs_embeds": embeds[None]} if embeds is not None else {"input_ids": token_ids[None]}
         out = self.decoder(
             **inputs,
@@ -173,6 +182,32 @@ class HFCausalLM:
         )
         layers = {i: out.hidden_states[i][0] for i in output_layers}
         return out.last_hidden_state[0], layers
+
+    def _plain_forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        embeds: torch.Tensor | None,
+        output_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Same numbers as the decoder's own forward (hidden-state indices as in transformers:
+        0 = embeddings, i = output of layer i, the last one after the final norm)."""
+        d = self.decoder
+        hidden = (embeds if embeds is not None else d.embed_tokens(token_ids))[None]
+        position_ids = positions[None]
+        rotary = d.rotary_emb(hidden, position_ids)
+        layers: dict[int, torch.Tensor] = {0: hidden[0]} if 0 in output_layers else {}
+        num_layers = len(d.layers)
+        for i, layer in enumerate(d.layers):
+            hidden = layer(hidden, attention_mask=None, position_embeddings=rotary, position_ids=position_ids,
+                           **{_METADATA_KWARG: attn})
+            if i + 1 in output_layers and i + 1 < num_layers:
+                layers[i + 1] = hidden[0]
+        hidden = d.norm(hidden)
+        if num_layers in output_layers:
+            layers[num_layers] = hidden[0]
+        return hidden[0], layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -2,8 +2,9 @@
 
 A step's tokens from every sequence are packed into one row. Each layer writes the new tokens'
 K/V into cache slots, then attends over each sequence's whole context read back from its blocks.
-This is the portable backend (torch SDPA over gathered blocks, one call per layer for the whole
-batch, a block-diagonal causal mask); GPU kernels plug in behind `paged_attention`.
+Two backends share one cache layout: on CUDA a Triton kernel walks each sequence's block table
+(triton_attention.py); elsewhere torch SDPA runs over the gathered contexts with a block-diagonal
+causal mask, one call per layer for the whole batch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+try:
+    from omnistage.engine.ar.triton_attention import paged_attention_triton
+except ImportError:  # Triton is needed only for the CUDA backend
+    paged_attention_triton = None
 
 
 @dataclass
@@ -39,15 +45,22 @@ class PagedKVCache:
 
 @dataclass
 class AttentionMetadata:
-    """Where a packed step's tokens live in the cache and which context each query may see."""
+    """Where a packed step's tokens live in the cache and which context each query may see.
+    The Triton backend reads the block tables; the SDPA backend the flattened contexts."""
 
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    query_pos: torch.Tensor  # [T] absolute position of each new token
-    query_seq: torch.Tensor  # [T] index of its sequence in the batch
-    context_slots: torch.Tensor  # [C] slots of every sequence's whole context, concatenated
-    context_pos: torch.Tensor  # [C]
-    context_seq: torch.Tensor  # [C]
+    # Triton backend
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+    seq_lens: torch.Tensor | None = None  # [B] int32: context length after this step
+    cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32: each sequence's rows in the packed step
+    max_query_len: int = 0
+    # SDPA backend
+    query_pos: torch.Tensor | None = None  # [T] absolute position of each new token
+    query_seq: torch.Tensor | None = None  # [T] index of its sequence in the batch
+    context_slots: torch.Tensor | None = None  # [C] slots of every sequence's whole context, concatenated
+    context_pos: torch.Tensor | None = None  # [C]
+    context_seq: torch.Tensor | None = None  # [C]
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -74,6 +87,12 @@ def paged_attention(
     k_cache, v_cache = meta.kv_cache.layer(layer_idx)
     k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    if meta.block_tables is not None:
+        return paged_attention_triton(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+            meta.max_query_len, meta.kv_cache.block_size, scale, sliding_window,
+        )
     k = k_cache.index_select(0, meta.context_slots).transpose(0, 1)
     v = v_cache.index_select(0, meta.context_slots).transpose(0, 1)
     out = F.scaled_dot_product_attention(

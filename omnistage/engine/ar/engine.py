@@ -10,6 +10,7 @@ import torch
 
 from omnistage.engine.ar.block_manager import BlockManager
 from omnistage.engine.ar.detokenizer import IncrementalDetokenizer
+from omnistage.engine.ar.memory import plan_num_blocks
 from omnistage.engine.ar.model import ARModel
 from omnistage.engine.ar.model_runner import ModelRunner
 from omnistage.engine.ar.sampler import Sampler, SampleRow
@@ -25,7 +26,11 @@ logger = logging.getLogger(__name__)
 @dataclass
 class AREngineConfig:
     max_model_len: int
-    num_kv_blocks: int
+    # KV cache size: an exact block count, else a byte budget, else a share of the device memory.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -46,23 +51,29 @@ class AREngine:
         tokenizer: Any = None,
         eos_token_ids: tuple[int, ...] = (),
     ):
-        if config.num_kv_blocks * config.block_size < config.max_model_len:
-            raise ConfigError(
-                f"stage {name!r}: the KV cache holds {config.num_kv_blocks * config.block_size} tokens, "
-                f"fewer than max_model_len={config.max_model_len}; lower max_model_len or raise the KV budget"
-            )
         self.name = name
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         max_batched = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             max_batched = max(max_batched, config.max_model_len)
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, max_batched, config.enable_chunked_prefill
+        self.runner = ModelRunner(
+            model, config.block_size, config.max_num_seqs, config.max_model_len, config.enforce_eager
         )
-        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size)
+        self.runner.profile(max_batched)
+        num_blocks = plan_num_blocks(
+            model.kv_spec, config.block_size, model.device, config.max_model_len, config.max_num_seqs,
+            config.num_kv_blocks, config.kv_cache_memory_gb, config.gpu_memory_utilization,
+        )
+        if num_blocks * config.block_size < config.max_model_len:
+            raise ConfigError(
+                f"stage {name!r}: the KV cache holds {num_blocks * config.block_size} tokens, "
+                f"fewer than max_model_len={config.max_model_len}; lower max_model_len or raise the KV budget"
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched, config.enable_chunked_prefill)
         self.sampler = Sampler(config.seed)
         self.seqs: dict[str, Sequence] = {}
         self.hidden_wanted: dict[str, bool] = {}

@@ -8,7 +8,6 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from omnistage.config.deploy import DeployConfig
 from omnistage.engine.ar.engine import AREngine, AREngineConfig
-from omnistage.engine.ar.memory import plan_num_blocks
 from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
@@ -63,14 +62,12 @@ def build_ar_engine(
     model, config = hf.load_causal_lm(pipeline.model_path, cfg.dtype, device)
     tokenizer = hf.load_tokenizer(pipeline.model_path)
     ar_model = hf.HFCausalLM(model, config)
-    max_model_len = context_length(config, cfg.max_model_len)
-    num_blocks = plan_num_blocks(
-        ar_model.kv_spec, cfg.block_size, device, max_model_len, cfg.max_num_seqs,
-        cfg.num_kv_blocks, cfg.kv_cache_memory_gb, cfg.gpu_memory_utilization,
-    )
     engine_cfg = AREngineConfig(
-        max_model_len=max_model_len,
-        num_kv_blocks=num_blocks,
+        max_model_len=context_length(config, cfg.max_model_len),
+        num_kv_blocks=cfg.num_kv_blocks,
+        kv_cache_memory_gb=cfg.kv_cache_memory_gb,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
         block_size=cfg.block_size,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
