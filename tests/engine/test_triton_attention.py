@@ -23,15 +23,18 @@ def _patch_tensor_numpy2(tensor, scope):
 interpreter._patch_lang_tensor = _patch_tensor_numpy2
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, page, scale, window):
     """Per sequence, gather its context and run SDPA with a causal (and window) mask."""
     outs, start = [], 0
     for table, ctx, n in zip(tables, ctx_lens, q_lens, strict=True):
-        slots = torch.tensor([table[p // page] * page + p % page for p in range(ctx)])
+        slots = torch.tensor([table[p // page] * page + p % page for p in range(ctx)], device=q.device)
         k, v = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
         qs = q[start : start + n].transpose(0, 1)
-        q_pos = torch.arange(ctx - n, ctx)[:, None]
-        k_pos = torch.arange(ctx)[None, :]
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
         mask = k_pos <= q_pos
         if window:
             mask &= (q_pos - k_pos) < window
@@ -41,12 +44,14 @@ def reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, page, scale, window
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, window", [(4, 2, 16, None), (7, 1, 32, None), (4, 4, 16, 5)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, window", [(4, 2, 16, None), (7, 1, 32, None), (4, 4, 16, 5), (8, 2, 64, None)]
+)
 def test_kernel_matches_reference(heads: int, kv_heads: int, head_dim: int, window: int | None) -> None:
     torch.manual_seed(0)
     page, num_blocks = 4, 32
     spec = KVSpec(1, kv_heads, head_dim, torch.float32)
-    cache = PagedKVCache(spec, num_blocks, page, torch.device("cpu"))
+    cache = PagedKVCache(spec, num_blocks, page, DEVICE)
     k_cache, v_cache = cache.layer(0)
     k_cache.normal_()
     v_cache.normal_()
@@ -55,13 +60,13 @@ def test_kernel_matches_reference(heads: int, kv_heads: int, head_dim: int, wind
     perm = torch.randperm(num_blocks).tolist()
     tables = [perm[0:1], perm[1:4], perm[4:9], perm[9:11]]
     width = max(len(t) for t in tables)
-    q = torch.randn(sum(q_lens), heads, head_dim)
+    q = torch.randn(sum(q_lens), heads, head_dim, device=DEVICE)
     scale = head_dim**-0.5
     got = paged_attention_triton(
         q, k_cache, v_cache,
-        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        torch.tensor(ctx_lens, dtype=torch.int32),
-        torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
+        torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE),
+        torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE),
         max(q_lens), page, scale, window,
     )
     expected = reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, page, scale, window)
