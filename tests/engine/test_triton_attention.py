@@ -70,4 +70,5 @@ def test_kernel_matches_reference(heads: int, kv_heads: int, head_dim: int, wind
         max(q_lens), page, scale, window,
     )
     expected = reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, page, scale, window)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if DEVICE.type == "cpu" else 2e-2  # on GPUs, fp32 dots run in TF32
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
