@@ -158,6 +158,8 @@ class HFCausalLM:
         self.kv_spec = KVSpec(text.num_hidden_layers, kv_heads, head_dim, param.dtype)
         self.device = param.device
         self.vocab_size = text.vocab_size
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()  # tied weights count once
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(token_ids)

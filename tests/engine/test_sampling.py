@@ -76,13 +76,15 @@ def test_stop_conditions(omni: Omni) -> None:
     assert out.token_ids == full.token_ids[:3] and out.finish_reason == "length"
 
 
-def test_min_tokens_defers_eos(omni: Omni) -> None:
-    eos = omni.orchestrator.workers["lm"][0].engine.eos_token_ids
-    params = SamplingParams(max_tokens=30, temperature=1.0, seed=3, min_tokens=12, stop_token_ids=[])
-    outs = omni.generate(PROMPTS * 3, params)
-    for out in outs:
-        assert len(out.token_ids) >= 12
-        assert not set(out.token_ids[:11]) & eos
+def test_min_tokens_defers_stop_tokens(omni: Omni) -> None:
+    greedy = SamplingParams(max_tokens=30, temperature=0)
+    first = omni.generate([PROMPTS[0]], greedy)[0].token_ids[0]
+    stop_now = omni.generate([PROMPTS[0]], greedy.with_overrides(stop_token_ids=[first]))[0]
+    assert stop_now.token_ids == [first] and stop_now.finish_reason == "stop"
+    for params in (greedy, SamplingParams(max_tokens=30, temperature=1.0, seed=3)):
+        out = omni.generate([PROMPTS[0]], params.with_overrides(stop_token_ids=[first], min_tokens=6))[0]
+        assert len(out.token_ids) >= 6
+        assert first not in out.token_ids[:5]
 
 
 def test_penalties_against_direct_formula() -> None:

@@ -61,10 +61,11 @@ class AREngine:
         self.runner = ModelRunner(
             model, config.block_size, config.max_num_seqs, config.max_model_len, config.enforce_eager
         )
-        self.runner.profile(max_batched)
+        activation_bytes = self.runner.profile(max_batched)
         num_blocks = plan_num_blocks(
             model.kv_spec, config.block_size, model.device, config.max_model_len, config.max_num_seqs,
             config.num_kv_blocks, config.kv_cache_memory_gb, config.gpu_memory_utilization,
+            model.weight_bytes, activation_bytes,
         )
         if num_blocks * config.block_size < config.max_model_len:
             raise ConfigError(

@@ -13,6 +13,8 @@ class ARModel(Protocol):
     kv_spec: KVSpec
     device: torch.device
     vocab_size: int
+    weight_bytes: int  # device memory held by the weights (for KV cache sizing)
+    graph_safe: bool  # forward has no host syncs, so decode steps may be captured in CUDA graphs
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] ids -> [T, hidden] input embeddings."""

@@ -69,19 +69,24 @@ class ModelRunner:
     # ---- memory ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def profile(self, num_tokens: int) -> None:
-        """Run the largest step once so the peak activation memory is known before the KV cache
-        takes the rest (the CUDA caching allocator keeps the high-water mark)."""
+    def profile(self, num_tokens: int) -> int:
+        """Run the largest step once; returns its peak activation bytes, so the KV cache can take
+        the rest of the stage's memory share."""
         if self.device.type != "cuda":
-            return
+            return 0
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         blocks = -(-num_tokens // self.block_size)
         self.kv_cache = PagedKVCache(self.model.kv_spec, blocks, self.block_size, self.device)
         seqs = [Sequence("profile", [0] * num_tokens, None, max_tokens=1, arrival=0)]  # type: ignore[arg-type]
         seqs[0].block_table = list(range(blocks))
         self.execute([(seqs[0], num_tokens)], ())
         torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_cache = None
         torch.cuda.empty_cache()
+        return peak - before
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` usable blocks plus one that padded graph rows write into."""

@@ -42,7 +42,7 @@ def _paged_attention_kernel(
     row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q_ptrs = Q + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q_ptrs = Q + (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     q_pos = ctx_len - q_len + token  # absolute position of each row's token
 
@@ -58,7 +58,7 @@ def _paged_attention_kernel(
         key_pos = start + cols
         key_ok = key_pos < ctx_len
         page = tl.load(block_tables + seq * stride_bt + key_pos // PAGE, mask=key_ok, other=0)
-        slot = page * PAGE + key_pos % PAGE
+        slot = page.to(tl.int64) * PAGE + key_pos % PAGE  # int64: large caches overflow int32 offsets
         kv_off = slot[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
         k = tl.load(K + kv_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
@@ -74,7 +74,7 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows past the query length hold no keys
-    o_ptrs = Out + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    o_ptrs = Out + (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
