@@ -24,7 +24,8 @@ import torch
 
 from omnistage.engine.ar.engine import AREngine, AREngineConfig
 from omnistage.engine.types import StageInput
-from omnistage.families.hf import ATTN_IMPL, HFCausalLM
+from omnistage.families.causal_lm import causal_lm_model
+from omnistage.families.hf import ATTN_IMPL
 from omnistage.sampling_params import SamplingParams
 
 PROMPT_LEN, OUTPUT_LEN = 128, 256
@@ -110,7 +111,7 @@ def build_engine(model, config, max_num_seqs: int, enforce_eager: bool = False, 
     model.set_attn_implementation(ATTN_IMPL)
     cfg = AREngineConfig(max_model_len=1024, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
                          gpu_memory_utilization=util, enforce_eager=enforce_eager)
-    return AREngine("lm", HFCausalLM(model, config), cfg, tokenizer=None, eos_token_ids=())
+    return AREngine("lm", causal_lm_model(model, config), cfg, tokenizer=None, eos_token_ids=())
 
 
 def run_requests(engine: AREngine, reqs: list[list[int]], max_tokens: int = OUTPUT_LEN) -> dict:

@@ -9,6 +9,7 @@ kwargs; the mask builder therefore returns no mask. Shared by every family built
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,13 +145,21 @@ _PLAIN_DECODERS = {"qwen2", "qwen3", "llama", "mistral"}
 
 
 class HFCausalLM:
-    """An HF causal LM seen through the AR engine's ARModel interface."""
+    """An HF causal LM seen through the AR engine's ARModel interface. A family may pass a
+    `fast_forward` (embeddings, positions, metadata -> final hidden states) for steps that need no
+    intermediate hidden states."""
 
-    def __init__(self, model: nn.Module, config: PretrainedConfig):
+    def __init__(
+        self,
+        model: nn.Module,
+        config: PretrainedConfig,
+        fast_forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] | None = None,
+    ):
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.graph_safe = config.get_text_config().model_type in _PLAIN_DECODERS
+        self.fast_forward = fast_forward
+        self.graph_safe = fast_forward is not None or config.get_text_config().model_type in _PLAIN_DECODERS
         text = config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -172,6 +181,9 @@ class HFCausalLM:
         embeds: torch.Tensor | None = None,
         output_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        if self.fast_forward is not None and not output_layers:
+            hidden = embeds if embeds is not None else self.embed(token_ids)
+            return self.fast_forward(hidden, positions, attn), {}
         if self.graph_safe:
             return self._plain_forward(token_ids, positions, attn, embeds, output_layers)
         inputs = {"inputs_embeds": embeds[None]} if embeds is not None else {"input_ids": token_ids[None]}

@@ -12,6 +12,7 @@ from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Pipeline, StageSpec
+from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 from omnistage.runtime.messages import OmniRequest
 from omnistage.sampling_params import SamplingParams
 
@@ -61,7 +62,7 @@ def build_ar_engine(
     device = hf.resolve_device(devices or cfg.devices)
     model, config = hf.load_causal_lm(pipeline.model_path, cfg.dtype, device)
     tokenizer = hf.load_tokenizer(pipeline.model_path)
-    ar_model = hf.HFCausalLM(model, config)
+    ar_model = causal_lm_model(model, config)
     engine_cfg = AREngineConfig(
         max_model_len=context_length(config, cfg.max_model_len),
         num_kv_blocks=cfg.num_kv_blocks,
@@ -77,6 +78,13 @@ def build_ar_engine(
         default_params=cfg.sampling_params(),
     )
     return AREngine(stage, ar_model, engine_cfg, tokenizer, hf.eos_token_ids(pipeline.model_path, config, tokenizer))
+
+
+def causal_lm_model(model: Any, config: Any) -> hf.HFCausalLM:
+    """Wrap an HF causal LM for the AR engine, with the fused forward where its layers allow."""
+    decoder = model.get_decoder()
+    fused = FusedDecoder(decoder) if FusedDecoder.supports(decoder) else None
+    return hf.HFCausalLM(model, config, fused.forward if fused else None)
 
 
 def context_length(config: Any, configured: int | None) -> int:

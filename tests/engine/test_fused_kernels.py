@@ -1,0 +1,44 @@
+"""Fused Triton ops equal their torch definitions (on CPU through Triton's interpreter)."""
+
+import pytest
+import torch
+
+import omnistage.kernels.fused as fused
+
+pytest.importorskip("triton")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def force_triton(monkeypatch):
+    monkeypatch.setattr(fused, "_use_triton", lambda x: True)
+
+
+def test_add_rmsnorm(force_triton) -> None:
+    x, r = torch.randn(5, 48, device=DEVICE), torch.randn(5, 48, device=DEVICE)
+    w = torch.randn(48, device=DEVICE)
+    summed = x + r
+    expected = w * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6))
+    out, res = fused.add_rmsnorm(x, r, w, 1e-6)
+    torch.testing.assert_close(res, summed)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out, res = fused.add_rmsnorm(x, None, w, 1e-6)
+    assert res is x
+    torch.testing.assert_close(out, w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)), rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_and_silu_mul(force_triton) -> None:
+    q, k = torch.randn(3, 4, 16, device=DEVICE), torch.randn(3, 2, 16, device=DEVICE)
+    angles = torch.randn(3, 8, device=DEVICE)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((-x2, x1), -1)
+
+    eq, ek = q * cos[:, None] + rotate(q) * sin[:, None], k * cos[:, None] + rotate(k) * sin[:, None]
+    gq, gk = fused.apply_rotary(q.clone(), k.clone(), cos, sin)
+    torch.testing.assert_close(gq, eq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gk, ek, rtol=1e-5, atol=1e-5)
+    gu = torch.randn(4, 2 * 1500, device=DEVICE)
+    torch.testing.assert_close(fused.silu_mul(gu), torch.nn.functional.silu(gu[:, :1500]) * gu[:, 1500:])
