@@ -50,9 +50,7 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict[str, str], pay
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
             if resp.status_code != 200:
-                result.error = (
-                    f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
-                )
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                 return result
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
@@ -150,11 +148,7 @@ async def bench_serve(
     errors = [r.error for r in results if not r.ok]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens for r in done)
-    tpots = [
-        (r.latency - r.ttft) / (r.output_tokens - 1)
-        for r in done
-        if r.ttft is not None and r.output_tokens > 1
-    ]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.ttft is not None and r.output_tokens > 1]
     return {
         "base_url": base_url,
         "model": model,
@@ -193,7 +187,5 @@ def run_bench(
     """Send `num_prompts` streaming completions (at most `concurrency` in flight; Poisson arrivals at
     `request_rate` req/s unless inf) and return the measurements as a JSON-ready dict."""
     return asyncio.run(
-        bench_serve(
-            base_url, model, num_prompts, concurrency, request_rate, input_len, output_len, api_key, seed
-        )
+        bench_serve(base_url, model, num_prompts, concurrency, request_rate, input_len, output_len, api_key, seed)
     )

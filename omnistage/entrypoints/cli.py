@@ -60,9 +60,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         overrides = serve_overrides(args)
         from omnistage.entrypoints.async_omni import AsyncOmni
@@ -166,9 +164,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="omnistage", description="Serve any-to-any models behind an OpenAI API."
-    )
+    parser = argparse.ArgumentParser(prog="omnistage", description="Serve any-to-any models behind an OpenAI API.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -200,9 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--model", help="default: the first model the server lists")
     bserve.add_argument("--num-prompts", type=int, default=100)
     bserve.add_argument("--concurrency", type=int, help="max requests in flight (default: all)")
-    bserve.add_argument(
-        "--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals (default inf)"
-    )
+    bserve.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals (default inf)")
     bserve.add_argument("--input-len", type=int, default=128, help="prompt length in words (~tokens)")
     bserve.add_argument("--output-len", type=int, default=128)
     bserve.add_argument("--api-key", default=os.environ.get("OMNISTAGE_API_KEY"))

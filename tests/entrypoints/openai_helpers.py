@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+import torch
 
 from omnistage.engine.types import TokenLogprob
 from omnistage.entrypoints.openai.server import BackgroundServer
@@ -21,6 +22,7 @@ from omnistage.sampling_params import SamplingParams
 API_KEY = "test-key"
 CHAT = [{"role": "user", "content": "Tell me about the river."}]
 CHAT_FAIL = [{"role": "user", "content": "please FAIL"}]
+AUDIO_CHUNK = 160
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
@@ -55,8 +57,9 @@ def sse_events(resp: httpx.Response) -> list[str]:
 
 class FakeEngine:
     """Scripted stand-in for AsyncOmni. Prompt tokens: one per word. Output token k is id 100+k spelled
-    " w<k>". A prompt containing FAIL gets a stage error after two tokens; RAISE makes generate raise an
-    unexpected exception. `running` tracks live requests so tests can see aborts."""
+    " w<k>"; with "audio" among a request's output modalities each delta also carries samples. A prompt
+    containing FAIL gets a stage error after two tokens; RAISE makes generate raise an unexpected
+    exception. `running` tracks live requests so tests can see aborts."""
 
     served_model_name = "fake-model"
     max_model_len = 64
@@ -137,11 +140,19 @@ class FakeEngine:
                     finish_reason=("stop" if stop is not None else "length") if last else None,
                     num_prompt_tokens=n_prompt,
                     num_output_tokens=k + 1,
+                    **self._audio(request, k),
                 )
                 if last:
                     return
         finally:
             self.running.discard(request.request_id)
+
+    @staticmethod
+    def _audio(request: OmniRequest, k: int) -> dict[str, Any]:
+        """With "audio" requested, every token comes with AUDIO_CHUNK samples of a ramp at 16 kHz."""
+        if "audio" not in request.output_modalities:
+            return {}
+        return {"audio": torch.linspace(-0.5, 0.5, AUDIO_CHUNK) * (k + 1) / 8, "sample_rate": 16000}
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -48,16 +48,11 @@ def test_chat_stream_with_usage(served: Served) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert all(c.usage is None for c in chunks[:-1])
     # Same tokens as the non-streamed call (greedy).
-    full = served.client().chat.completions.create(
-        model=served.model, messages=CHAT, max_tokens=6, temperature=0
-    )
+    full = served.client().chat.completions.create(model=served.model, messages=CHAT, max_tokens=6, temperature=0)
     again = served.client().chat.completions.create(
         model=served.model, messages=CHAT, max_tokens=6, temperature=0, stream=True
     )
-    assert (
-        "".join(c.choices[0].delta.content or "" for c in again if c.choices)
-        == full.choices[0].message.content
-    )
+    assert "".join(c.choices[0].delta.content or "" for c in again if c.choices) == full.choices[0].message.content
     assert text
 
 
@@ -106,9 +101,7 @@ def test_chat_stream_logprobs(served: Served) -> None:
     stream = served.client().chat.completions.create(
         model=served.model, messages=CHAT, max_tokens=4, logprobs=True, stream=True
     )
-    entries = [
-        e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
-    ]
+    entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(entries) == 4 and all(e.top_logprobs == [] for e in entries)
 
 
@@ -160,9 +153,7 @@ def test_auth_required(served: Served) -> None:
     assert_openai_error(wrong, 401, "invalid API key")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{served.url}/v1", api_key="nope", max_retries=0).models.list()
-    ok = httpx.post(
-        f"{served.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
-    )
+    ok = httpx.post(f"{served.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
     assert ok.status_code == 200
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import time
+import wave
 
 import httpx
 import openai
 import pytest
 from openai_helpers import (
+    AUDIO_CHUNK,
     CHAT,
     CHAT_FAIL,
     Served,
@@ -33,11 +37,7 @@ def test_stage_error_mid_stream_is_in_band(fake_served: Served) -> None:
         events = sse_events(resp)
     assert '"error"' in events[-2] and "boom" in events[-2] and events[-1] == "[DONE]"
     with pytest.raises(openai.APIError, match="boom"):
-        list(
-            fake_served.client().chat.completions.create(
-                model=fake_served.model, messages=CHAT_FAIL, stream=True
-            )
-        )
+        list(fake_served.client().chat.completions.create(model=fake_served.model, messages=CHAT_FAIL, stream=True))
     assert_still_serving(fake_served)
 
 
@@ -62,9 +62,7 @@ def test_request_shaping(fake_served: Served) -> None:
         stop="zz",
     )
     reqs = sorted(engine.requests, key=lambda r: r.request_id)
-    assert len({r.request_id for r in reqs}) == 3 and all(
-        r.request_id[-2:] in ("-0", "-1", "-2") for r in reqs
-    )
+    assert len({r.request_id for r in reqs}) == 3 and all(r.request_id[-2:] in ("-0", "-1", "-2") for r in reqs)
     params = [r.stage_params["*"] for r in reqs]
     assert [p.seed for p in params] == [11, 12, 13]
     assert all(p.max_tokens is None and p.temperature == 0.5 and p.stop == ["zz"] for p in params)
@@ -117,3 +115,22 @@ def test_health_503_when_not_ready(fake_served: Served) -> None:
         assert resp.status_code == 503 and resp.json()["status"] == "unavailable"
     finally:
         fake_served.engine.ready = True
+
+
+def test_audio_output(fake_served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spoken output: a WAV in message.audio (non-stream), base64 pcm16 chunks in delta.audio (stream)."""
+    monkeypatch.setattr(fake_served.engine, "output_modalities", ("text", "audio"))
+    client = fake_served.client()
+    kwargs = dict(model=fake_served.model, messages=CHAT, max_tokens=4, modalities=["text", "audio"])
+    out = client.chat.completions.create(**kwargs, audio={"voice": "alloy", "format": "wav"})
+    audio = out.choices[0].message.audio
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as wav:
+        assert (wav.getframerate(), wav.getnchannels(), wav.getnframes()) == (16000, 1, 4 * AUDIO_CHUNK)
+    assert audio.transcript == out.choices[0].message.content == " w0 w1 w2 w3"
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    pcm = b"".join(base64.b64decode(c.choices[0].delta.audio.data) for c in chunks if c.choices[0].delta.audio)
+    assert len(pcm) == 2 * 4 * AUDIO_CHUNK
+    assert fake_served.engine.requests[-1].output_modalities == ("text", "audio")
+    # Text-only requests stay text-only.
+    plain = client.chat.completions.create(model=fake_served.model, messages=CHAT, max_tokens=2)
+    assert plain.choices[0].message.audio is None

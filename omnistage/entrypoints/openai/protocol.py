@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from omnistage.sampling_params import SamplingParams
 
@@ -137,6 +137,12 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool = False  # extension: each choice also carries its generated token ids
 
+    @field_validator("n", "stream", "return_token_ids", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """Some clients send `null` for every unset field; treat it as "not sent"."""
+        return cls.model_fields[info.field_name].default if value is None else value
+
     @field_validator("logit_bias")
     @classmethod
     def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
@@ -191,6 +197,11 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _null_logprobs(cls, value: Any) -> Any:
+        return False if value is None else value
 
     @field_validator("messages")
     @classmethod

@@ -150,9 +150,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            message = (
-                f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/chat/completions"
-            )
+            message = f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/chat/completions"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
@@ -246,9 +244,7 @@ def chat_logprobs(logprobs: list[TokenLogprob] | None, texts: TokenTexts) -> Cho
         return TopLogprob(token=text, logprob=_finite(logprob), bytes=raw)
 
     entries = [
-        TokenLogprobEntry(
-            **top(lp.token_id, lp.logprob).model_dump(), top_logprobs=[top(t, p) for t, p in lp.top]
-        )
+        TokenLogprobEntry(**top(lp.token_id, lp.logprob).model_dump(), top_logprobs=[top(t, p) for t, p in lp.top])
         for lp in logprobs
     ]
     return ChoiceLogprobs(content=entries)
@@ -425,18 +421,14 @@ class Counts:
 def usage_of(counts: Sequence[Counts], group: int) -> Usage:
     """Choices come in groups of `group` sharing one prompt (n fan-out): each prompt counts once."""
     firsts = counts[::group]
-    return Usage.of(
-        sum(c.prompt for c in firsts), sum(c.output for c in counts), sum(c.cached for c in firsts)
-    )
+    return Usage.of(sum(c.prompt for c in firsts), sum(c.output for c in counts), sum(c.cached for c in firsts))
 
 
 def _counts(outputs: Sequence[OmniOutput]) -> list[Counts]:
-    result = []
-    for out in outputs:
-        c = Counts()
+    counts = [Counts() for _ in outputs]
+    for c, out in zip(counts, outputs, strict=True):
         c.update(out)
-        result.append(c)
-    return result
+    return counts
 
 
 def _sse(model: BaseModel) -> str:
@@ -454,20 +446,31 @@ def _sse_error(exc: Exception) -> str:
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _event_stream(events: AsyncIterator[str], fan: Fanout) -> StreamingResponse:
-    """SSE body; errors after the first byte go in-band as an OpenAI error event, then [DONE]."""
+class EventStream(StreamingResponse):
+    """SSE response that closes its generations however it ends, even if the client leaves before
+    the body is first iterated (then the body generator's own cleanup would never run)."""
 
-    async def body() -> AsyncIterator[str]:
+    def __init__(self, events: AsyncIterator[str], fan: Fanout) -> None:
+        super().__init__(_sse_body(events, fan), media_type="text/event-stream", headers=_SSE_HEADERS)
+        self.fan = fan
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async for event in events:
-                yield event
-        except Exception as exc:  # headers are sent: report in-band
-            yield _sse_error(exc)
+            await super().__call__(scope, receive, send)
         finally:
-            await fan.aclose()
-        yield "data: [DONE]\n\n"
+            await self.fan.aclose()
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+async def _sse_body(events: AsyncIterator[str], fan: Fanout) -> AsyncIterator[str]:
+    """Errors after the first byte go in-band as an OpenAI error event; the stream always ends [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # headers already sent
+        yield _sse_error(exc)
+    finally:
+        await fan.aclose()
+    yield "data: [DONE]\n\n"
 
 
 # ---------------------------------------------------------------- request -> OmniRequests
@@ -596,9 +599,7 @@ async def chat_events(
             )
     if body.include_usage:
         yield _sse(
-            ChatCompletionChunk(
-                id=rid, created=created, model=model, choices=[], usage=usage_of(counts, body.n)
-            )
+            ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage_of(counts, body.n))
         )
 
 
@@ -642,9 +643,7 @@ async def completion_events(
         )
         yield _sse(Completion(id=rid, created=created, model=model, choices=[choice]))
     if body.include_usage:
-        yield _sse(
-            Completion(id=rid, created=created, model=model, choices=[], usage=usage_of(counts, body.n))
-        )
+        yield _sse(Completion(id=rid, created=created, model=model, choices=[], usage=usage_of(counts, body.n)))
 
 
 # ---------------------------------------------------------------- routes
@@ -682,7 +681,7 @@ async def _respond(
     try:
         await unless_disconnected(request, fan.start())
         if stream:
-            return _event_stream(events(), fan)
+            return EventStream(events(), fan)
         outputs = await unless_disconnected(request, collect(fan))
     except ClientGone:
         log.info("client left; aborted %s", [r.request_id for r in fan.requests])
@@ -746,9 +745,7 @@ def run_server(
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM), then shut the engine down."""
     try:
-        uvicorn.run(
-            build_app(engine, api_key), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
-        )
+        uvicorn.run(build_app(engine, api_key), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
 

@@ -1,0 +1,126 @@
+"""Protocol conversions without a server: request -> SamplingParams, error wording, token spelling."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from omnistage.engine.types import TokenLogprob
+from omnistage.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, seeded_copies
+from omnistage.entrypoints.openai.server import TokenTexts, chat_logprobs, completion_logprobs, validation_message
+from omnistage.sampling_params import InvalidParams, SamplingParams
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": USER, **kw})
+
+
+def test_sampling_params_from_chat() -> None:
+    defaults = SamplingParams(temperature=0.7, top_k=20, max_tokens=16)
+    p = chat(temperature=0.0, stop="END", max_completion_tokens=9, logprobs=True, top_logprobs=3).to_sampling_params(
+        defaults
+    )
+    assert (p.temperature, p.top_k, p.stop, p.max_tokens, p.logprobs) == (0.0, 20, ["END"], 9, 3)
+    unset = chat().to_sampling_params(defaults)
+    assert unset.max_tokens is None and unset.temperature == 0.7 and unset.logprobs is None
+    assert chat(logprobs=True).to_sampling_params(defaults).logprobs == 0
+
+
+def test_sampling_params_from_completion() -> None:
+    p = CompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).to_sampling_params(SamplingParams())
+    assert p.max_tokens == 16 and p.logprobs == 2
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", -0.1), ("top_p", 0.0), ("min_p", 2.0), ("top_k", -5)])
+def test_out_of_range_raises_invalid_params(field: str, value: float) -> None:
+    with pytest.raises(InvalidParams) as info:
+        chat(**{field: value}).to_sampling_params(SamplingParams())
+    assert info.value.param == field and info.value.status == 400
+
+
+def test_seeded_copies() -> None:
+    assert [p.seed for p in seeded_copies(SamplingParams(seed=5), 3)] == [5, 6, 7]
+    assert [p.seed for p in seeded_copies(SamplingParams(), 2)] == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"messages": USER, "n": True}, "n: Input should be a valid integer (got True)"),
+        ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "unknown field 'messages[0].extra'"),
+        ({"messages": USER, "stream": "yes"}, "stream: Input should be a valid boolean (got 'yes')"),
+        ({"messages": USER, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens and max_completion_tokens"),
+        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": USER, "logit_bias": {"1": 2.0}}, "logit_bias is not supported"),
+    ],
+)
+def test_validation_messages(body: dict, expected: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    message, _ = validation_message(info.value.errors())
+    assert expected in message
+
+
+def test_messages_to_dicts() -> None:
+    req = chat(
+        messages=[
+            {"role": "developer", "content": "rules"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u"}}],
+            },
+            {"role": "assistant", "content": None},
+        ]
+    )
+    assert req.message_dicts() == [
+        {"role": "system", "content": "rules"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u"}}],
+        },
+        {"role": "assistant", "content": ""},
+    ]
+
+
+def test_prompt_inputs() -> None:
+    def inputs(prompt: object) -> list[dict]:
+        return CompletionRequest.model_validate({"prompt": prompt}).prompt_inputs()
+
+    assert inputs("a") == [{"prompt": "a"}]
+    assert inputs([1, 2]) == [{"prompt_token_ids": [1, 2]}]
+    assert inputs(["a", "b"]) == [{"prompt": "a"}, {"prompt": "b"}]
+    assert inputs([[1], [2, 3]]) == [{"prompt_token_ids": [1]}, {"prompt_token_ids": [2, 3]}]
+
+
+def test_token_texts_rebuild_bytes(tiny_qwen2: str) -> None:
+    """Byte-level tokens split characters; their bytes, concatenated, give back the exact text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    texts = TokenTexts(tok)
+    assert texts.alphabet is not None
+    sample = "naïve café — 河流 🙂 the river"
+    ids = tok(sample, add_special_tokens=False)["input_ids"]
+    assert bytes(b for i in ids for b in texts(i)[1]).decode() == sample
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    assert texts(eos) == ("<|im_end|>", list(b"<|im_end|>"))
+    assert TokenTexts(None)(7) == ("token_id:7", None)
+
+
+def test_logprob_formats() -> None:
+    texts = TokenTexts(None)
+    lps = [TokenLogprob(1, -0.25, [(1, -0.25), (2, float("-inf"))]), TokenLogprob(3, -1.0, [])]
+    chat_lp = chat_logprobs(lps, texts)
+    assert chat_lp is not None and chat_lp.content is not None
+    assert [e.token for e in chat_lp.content] == ["token_id:1", "token_id:3"]
+    assert chat_lp.content[0].top_logprobs[1].logprob == -9999.0  # JSON has no -inf
+    comp, offset = completion_logprobs(lps, texts, 5)
+    assert comp is not None and comp.text_offset == [5, 15] and offset == 25
+    assert comp.top_logprobs[0] == {"token_id:1": -0.25, "token_id:2": -9999.0}
+
+
+def test_null_fields_mean_unset() -> None:
+    req = chat(n=None, stream=None, logprobs=None, max_tokens=None, stop=None, temperature=None, stream_options=None)
+    assert (req.n, req.stream, req.logprobs, req.include_usage) == (1, False, False, False)
