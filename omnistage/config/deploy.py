@@ -47,7 +47,7 @@ class StageConfig(_Strict):
         valid = [f.name for f in dataclass_fields(SamplingParams)]
         for key in value:
             if key not in valid:
-                raise ValueError(f"unknown sampling param {key!r}{_did_you_mean(key, valid)}")
+                raise ValueError(f"unknown sampling param {key!r}{did_you_mean(key, valid)}")
         SamplingParams(**value)  # range checks
         return value
 
@@ -56,8 +56,21 @@ class StageConfig(_Strict):
 
 
 class ConnectorConfig(_Strict):
-    type: Literal["inprocess", "shm", "tcp"] = "inprocess"
+    """How payloads cross one edge between stage workers in different processes."""
+
+    type: Literal["inprocess", "shm", "tcp"] = Field(
+        "shm", description="inprocess: inline backend only; shm: processes on one host; tcp: across hosts"
+    )
+    inline_max_bytes: int = Field(
+        64 * 1024, ge=0, description="Payloads with at most this many tensor bytes ride on the control channel"
+    )
     options: dict[str, Any] = Field(default_factory=dict)
+
+
+def _default_backend() -> str:
+    import torch
+
+    return "process" if torch.cuda.is_available() else "inline"
 
 
 class LimitsConfig(_Strict):
@@ -68,8 +81,12 @@ class LimitsConfig(_Strict):
 
 
 class DeployConfig(_Strict):
-    worker_backend: Literal["inline", "process", "ray"] = "inline"
+    # inline: engines in threads of the server process; process: one process per stage replica
+    # (the default with GPUs); ray: one Ray actor per stage replica.
+    worker_backend: Literal["inline", "process", "ray"] = Field(default_factory=_default_backend)
     async_chunk: bool = False
+    startup_timeout_s: float = Field(600.0, gt=0, description="How long a stage replica may take to load")
+    max_restarts: int = Field(3, ge=0, description="Automatic restarts per replica after it dies; 0: never")
     # Per-stage settings by stage name. The key "*" holds defaults applied to every stage.
     stages: dict[str, StageConfig] = Field(default_factory=dict)
     # Per-edge connectors, keyed "src->dst".
@@ -88,12 +105,12 @@ class DeployConfig(_Strict):
         for name in self.stages:
             if name != "*" and name not in valid:
                 raise ConfigError(
-                    f"deploy config: stages.{name}: no such stage{_did_you_mean(name, valid)} "
+                    f"deploy config: stages.{name}: no such stage{did_you_mean(name, valid)} "
                     f"(this pipeline has: {', '.join(valid)})"
                 )
 
 
-def _did_you_mean(name: str, valid: list[str]) -> str:
+def did_you_mean(name: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -128,7 +145,7 @@ def _explain(err: ValidationError) -> str:
         path = ".".join(str(p) for p in loc)
         if e["type"] == "extra_forbidden":
             owner = _model_at(loc)
-            hint = _did_you_mean(str(loc[-1]), list(owner.model_fields)) if owner else ""
+            hint = did_you_mean(str(loc[-1]), list(owner.model_fields)) if owner else ""
             lines.append(f"{path}: unknown field{hint}")
         else:
             got = e.get("input")

@@ -1,7 +1,13 @@
-"""Finds the family that serves a checkpoint, from config.json or model_index.json."""
+"""Finds the family that serves a checkpoint, from config.json or model_index.json.
+
+Families outside omnistage register with `register_family`, or, so that stage worker processes
+(which start fresh) find them too, through $OMNISTAGE_FAMILY_PLUGINS="pkg.module:FamilyClass,...".
+"""
 
 from __future__ import annotations
 
+import importlib
+import os
 from pathlib import Path
 
 from omnistage.errors import ConfigError
@@ -12,10 +18,22 @@ def _families() -> list[Family]:
     # Imported lazily so that importing the registry stays cheap; specific families first.
     from omnistage.families.causal_lm import CausalLMFamily
 
-    return [*_extra_families, CausalLMFamily()]
+    return [*_extra_families, *_plugin_families(), CausalLMFamily()]
 
 
 _extra_families: list[Family] = []
+PLUGINS_ENV = "OMNISTAGE_FAMILY_PLUGINS"
+
+
+def _plugin_families() -> list[Family]:
+    families = []
+    for entry in filter(None, (e.strip() for e in os.environ.get(PLUGINS_ENV, "").split(","))):
+        module, _, name = entry.partition(":")
+        try:
+            families.append(getattr(importlib.import_module(module), name)())
+        except (ImportError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"${PLUGINS_ENV}: cannot load family {entry!r} (want 'module:Class'): {exc}") from None
+    return families
 
 
 def register_family(family: Family) -> None:

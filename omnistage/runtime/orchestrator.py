@@ -1,22 +1,30 @@
 """The orchestrator admits requests, routes each stage's outputs along the pipeline's edges,
 hands the caller its deltas, and cancels. It never runs model code: routing happens on the
-worker's callback under one short lock, so no request ever waits on another."""
+worker's callback under one short lock, so no request ever waits on another.
+
+It also keeps the replicas: a new request goes to the live replica with the fewest outstanding
+requests, and stays there for all its chunks. A replica that dies has failed its own requests
+already (worker.py); the orchestrator restarts it (up to `max_restarts`, or on `restart_replica`).
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omnistage.engine.types import StageInput, StageOutput
-from omnistage.errors import RequestError
+from omnistage.errors import RequestError, StageError
 from omnistage.families.base import Pipeline
 from omnistage.runtime.messages import OmniOutput, OmniRequest, StageMetrics
-from omnistage.runtime.worker import OutputCallback, StageWorker
+from omnistage.runtime.worker import ExitCallback, OutputCallback, StageWorker
 
+logger = logging.getLogger(__name__)
 Sink = Callable[[OmniOutput], None]
-WorkerFactory = Callable[[str, int, OutputCallback], StageWorker]
+WorkerFactory = Callable[[str, int, OutputCallback, ExitCallback], StageWorker]
 
 
 @dataclass
@@ -38,16 +46,28 @@ class Orchestrator:
         self.requests: dict[str, _RequestState] = {}
         self.edges_from = {s.name: [e for e in pipeline.edges if e.src == s.name] for s in pipeline.stages}
         self.outputs_of = {s.name: set(s.outputs) for s in pipeline.stages}
+        self.make_worker = make_worker
         self.workers: dict[str, list[StageWorker]] = {}
         self.load: dict[str, list[int]] = {}
+        self.restarts: Counter[tuple[str, int]] = Counter()
+        self.finished: Counter[str] = Counter()  # requests by outcome: "ok", "error", "abort"
+        self.closed = False
+        self._restarting = threading.RLock()  # one restart at a time
         try:
             for spec in pipeline.stages:
                 replicas = pipeline.stage_config(spec.name).replicas
-                self.workers[spec.name] = [make_worker(spec.name, r, self._on_outputs) for r in range(replicas)]
+                self.workers[spec.name] = [self._new_worker(spec.name, r) for r in range(replicas)]
                 self.load[spec.name] = [0] * replicas
+            deadline = time.monotonic() + pipeline.deploy.startup_timeout_s
+            for workers in self.workers.values():  # they all load at once; wait for each
+                for worker in workers:
+                    worker.wait_ready(max(deadline - time.monotonic(), 0.0))
         except BaseException:
             self.shutdown()
             raise
+
+    def _new_worker(self, stage: str, replica: int) -> StageWorker:
+        return self.make_worker(stage, replica, self._on_outputs, self._on_exit)
 
     # ---- caller side ----------------------------------------------------------------------
 
@@ -67,13 +87,14 @@ class Orchestrator:
         with self.lock:
             if request.request_id in self.requests:
                 raise RequestError(f"request id {request.request_id!r} is already in flight", "request_id")
+            self._send(state, self.pipeline.entry, entry_input)  # StageError (503) if no replica is up
             self.requests[request.request_id] = state
-            self._send(state, self.pipeline.entry, entry_input)
 
     def abort(self, request_id: str) -> None:
         with self.lock:
             state = self.requests.pop(request_id, None)
             if state is not None:
+                self.finished["abort"] += 1
                 self._release(state, abort=True)
 
     def health(self) -> tuple[bool, str]:
@@ -81,16 +102,68 @@ class Orchestrator:
         return (not dead, f"no live replica for stage(s): {', '.join(dead)}" if dead else "ok")
 
     def stats(self) -> dict[str, dict]:
+        """Per stage, its replicas' engine and loop counters summed."""
         out: dict[str, dict] = {}
-        for stage, workers in self.workers.items():
-            per_replica = [w.stats() for w in workers]
+        for stage, per_replica in self.replica_stats().items():
             out[stage] = {k: sum(r.get(k, 0) for r in per_replica) for k in set().union(*per_replica)}
         return out
 
+    def replica_stats(self) -> dict[str, list[dict]]:
+        """Per stage, one dict per replica: engine stats, loop and transfer counters, liveness,
+        outstanding requests and restarts."""
+        return {
+            stage: [{**w.stats(), "alive": int(w.is_alive()), "outstanding": self.load[stage][r],
+                     "restarts": self.restarts[(stage, r)]} for r, w in enumerate(workers)]
+            for stage, workers in self.workers.items()
+        }
+
+    def restart_replica(self, stage: str, replica: int) -> None:
+        """Replace a replica (dead or alive) with a fresh one. Requests it held fail; blocks until
+        the new one is ready (StageError if it cannot start)."""
+        with self._restarting:
+            self._restart(stage, replica)
+
+    def _restart(self, stage: str, replica: int) -> None:
+        old = self.workers[stage][replica]
+        old.shutdown()  # frees its devices; fails what it still held
+        new = self._new_worker(stage, replica)
+        try:
+            new.wait_ready(self.pipeline.deploy.startup_timeout_s)
+        except BaseException:
+            new.shutdown()
+            raise
+        with self.lock:
+            if self.closed:
+                new.shutdown()
+                return
+            self.workers[stage][replica] = new
+            self.restarts[(stage, replica)] += 1
+
     def shutdown(self) -> None:
-        for workers in self.workers.values():
-            for worker in workers:
-                worker.shutdown()
+        self.closed = True
+        workers = [w for ws in self.workers.values() for w in ws]
+        threads = [threading.Thread(target=w.shutdown) for w in workers]  # stop them all at once
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _on_exit(self, stage: str, replica: int, why: str) -> None:
+        """A replica died (its requests have failed already): restart it in the background."""
+        if self.closed or self.restarts[(stage, replica)] >= self.pipeline.deploy.max_restarts:
+            return
+
+        def restart() -> None:
+            try:
+                with self._restarting:
+                    if self.workers[stage][replica].is_alive():
+                        return  # somebody restarted it meanwhile
+                    self._restart(stage, replica)
+                logger.warning("stage %r replica %d restarted after: %s", stage, replica, why)
+            except Exception as exc:
+                logger.error("stage %r replica %d could not be restarted: %s", stage, replica, exc)
+
+        threading.Thread(target=restart, name=f"restart-{stage}-{replica}", daemon=True).start()
 
     # ---- routing --------------------------------------------------------------------------
 
@@ -99,7 +172,10 @@ class Orchestrator:
             self.workers[stage][state.replica[stage]].add_input_chunk(inp.request_id, inp)
             return
         loads = self.load[stage]
-        replica = min(range(len(loads)), key=loads.__getitem__)  # least outstanding requests
+        live = [r for r, w in enumerate(self.workers[stage]) if w.is_alive()]
+        if not live:
+            raise StageError(f"stage {stage!r} has no live replica (restarting?); try again shortly", status=503)
+        replica = min(live, key=loads.__getitem__)  # least outstanding requests
         loads[replica] += 1
         state.replica[stage] = replica
         state.metrics[stage] = StageMetrics(stage)
@@ -143,7 +219,12 @@ class Orchestrator:
                 merged = state.merged.setdefault(stage, StageOutput(out.request_id, stage)).merge(out)
                 inp = edge.handoff(state.request, merged) if out.finished else None
             if inp is not None:
-                self._send(state, edge.dst, inp)
+                try:
+                    self._send(state, edge.dst, inp)
+                except StageError as exc:
+                    self._finish(state, OmniOutput(out.request_id, finish_reason="error", error=exc.message,
+                                                   error_status=exc.status), abort=True)
+                    return
 
         if stage in state.pending_outputs:
             delta = self.pipeline.to_output(stage, out)
@@ -157,6 +238,7 @@ class Orchestrator:
 
     def _finish(self, state: _RequestState, last: OmniOutput, abort: bool) -> None:
         del self.requests[state.request.request_id]
+        self.finished["error" if last.error else "ok"] += 1
         self._release(state, abort)
         last.finished = True
         last.metrics = state.metrics

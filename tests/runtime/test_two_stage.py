@@ -1,5 +1,6 @@
 """The stage graph end to end: a two-stage pipeline gives the same tokens as running its two
-models one after the other in HF, streamed between stages or not, and abort reaches both."""
+models one after the other in HF, streamed between stages or not, and abort reaches both;
+with every stage in this process (inline) and with each stage in its own process."""
 
 from __future__ import annotations
 
@@ -11,20 +12,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omnistage import AsyncOmni, Omni, SamplingParams
-from omnistage.families.registry import register_family, unregister_family
 from omnistage.runtime.messages import OmniRequest
 
-from .two_stage_family import TwoStageFamily, make_two_stage_checkpoint
+from .two_stage_family import make_two_stage_checkpoint, two_stage_plugin
 
 PROMPTS = ["Tell me a story", "The number seven", "Blue"]
+BACKENDS = ["inline", "process"]
 
 
 @pytest.fixture(scope="module")
 def two_stage_path(tiny_qwen2: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    family = TwoStageFamily()
-    register_family(family)
-    yield str(make_two_stage_checkpoint(tiny_qwen2, tmp_path_factory.mktemp("two") / "ckpt"))
-    unregister_family(family)
+    with two_stage_plugin():
+        yield str(make_two_stage_checkpoint(tiny_qwen2, tmp_path_factory.mktemp("two") / "ckpt"))
 
 
 def hf_chain(path: str, prompts: list[list[int]], draft_len: int, refine_len: int) -> list[list[int]]:
@@ -37,9 +36,11 @@ def hf_chain(path: str, prompts: list[list[int]], draft_len: int, refine_len: in
     return [greedy(greedy(p, draft_len), refine_len) for p in prompts]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("async_chunk", [False, True])
-def test_two_stages_equal_hf_chain(two_stage_path: str, async_chunk: bool) -> None:
-    deploy = {"async_chunk": async_chunk, "stages": {"*": {"max_model_len": 128, "block_size": 4}}}
+def test_two_stages_equal_hf_chain(two_stage_path: str, async_chunk: bool, backend: str) -> None:
+    deploy = {"worker_backend": backend, "async_chunk": async_chunk,
+              "stages": {"*": {"max_model_len": 128, "block_size": 4}}}
     stage_params = {
         "draft": SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
         "refine": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
@@ -53,8 +54,9 @@ def test_two_stages_equal_hf_chain(two_stage_path: str, async_chunk: bool) -> No
     assert all(s["kv_blocks_used"] == 0 for s in stats.values())
 
 
-def test_abort_reaches_every_stage(two_stage_path: str) -> None:
-    deploy = {"async_chunk": True, "stages": {"*": {"max_model_len": 512}}}
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_reaches_every_stage(two_stage_path: str, backend: str) -> None:
+    deploy = {"worker_backend": backend, "async_chunk": True, "stages": {"*": {"max_model_len": 512}}}
     engine = AsyncOmni(two_stage_path, deploy)
     try:
         long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)

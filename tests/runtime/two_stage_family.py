@@ -3,13 +3,17 @@ the draft's tokens. Its handoff streams (async_chunk) or passes the whole draft 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from omnistage.engine.types import StageInput, StageOutput
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
 from omnistage.families.causal_lm import CausalLMFamily, CausalLMPipeline, build_ar_engine
+from omnistage.families.registry import PLUGINS_ENV
 from omnistage.runtime.messages import OmniRequest
 from omnistage.sampling_params import SamplingParams
 
@@ -52,3 +56,17 @@ def make_two_stage_checkpoint(src: str, dst: Path) -> Path:
     config[MARKER] = "two_stage"
     (dst / "config.json").write_text(json.dumps(config))
     return dst
+
+
+@contextlib.contextmanager
+def two_stage_plugin() -> Iterator[None]:
+    """Make the family findable here and in stage worker processes (which start fresh)."""
+    before = os.environ.get(PLUGINS_ENV)
+    os.environ[PLUGINS_ENV] = f"{TwoStageFamily.__module__}:{TwoStageFamily.__name__}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PLUGINS_ENV, None)
+        else:
+            os.environ[PLUGINS_ENV] = before
