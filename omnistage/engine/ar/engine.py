@@ -174,7 +174,7 @@ class AREngine:
         try:
             result = self.runner.execute(batch, layers if want_hidden else ())
             rows = [self._sample_row(batch[i][0]) for i in result.sample_rows]
-            token_ids, logprobs = self.sampler(result.logits, rows) if rows else ([], [])
+            token_ids, logprobs = self.sampler(result.logits, rows, result.argmax) if rows else ([], [])
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("stage %s: step failed", self.name)
             return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq, _ in batch]

@@ -27,6 +27,7 @@ class StepResult:
     logits: torch.Tensor | None  # [len(sample_rows), vocab] float32
     hidden: dict[int, torch.Tensor]  # layer -> [T, hidden] for the whole packed step
     row_spans: list[tuple[int, int]]  # each sequence's rows in the packed step
+    argmax: torch.Tensor | None = None  # argmax of `logits`, when the step computed it on the way
 
 
 @dataclass
@@ -64,7 +65,7 @@ class ModelRunner:
         self.use_graphs = self.use_triton and not enforce_eager and getattr(model, "graph_safe", False)
         self.kv_cache: PagedKVCache | None = None
         self.pad_slot = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     # ---- memory ---------------------------------------------------------------------------
 
@@ -159,8 +160,11 @@ class ModelRunner:
         p = self._pack(batch)
         decode_only = len(p.ids) == len(batch)
         if self.graphs and decode_only and not output_layers and not p.embed_rows and len(batch) <= self.max_num_seqs:
-            logits = self._replay(p)
-            return StepResult(p.sample_rows, logits[p.sample_rows] if p.sample_rows else None, {}, p.row_spans)
+            logits, argmax = self._replay(p)
+            if len(p.sample_rows) != len(batch):
+                rows = self._tensor(p.sample_rows)
+                logits, argmax = logits[rows], argmax[rows]
+            return StepResult(p.sample_rows, logits if p.sample_rows else None, {}, p.row_spans, argmax)
         meta = self._metadata(p)
         token_ids = self._tensor(p.ids)
         embeds = None
@@ -175,55 +179,61 @@ class ModelRunner:
     # ---- CUDA graphs for decode steps ------------------------------------------------------
 
     def _capture_graphs(self, num_blocks: int) -> None:
+        """Capture one graph per batch-size bucket, sharing one memory pool. Inputs live in static
+        device buffers filled from pinned host buffers with two async copies per step."""
         started = time.perf_counter()
         sizes = _bucket_sizes(self.max_num_seqs)
-        n = sizes[-1]
-        width = self.max_blocks_per_seq
-        self._static = {
-            "ids": torch.zeros(n, dtype=torch.long, device=self.device),
-            "positions": torch.zeros(n, dtype=torch.long, device=self.device),
-            "slots": torch.full((n,), self.pad_slot, dtype=torch.long, device=self.device),
-            "tables": torch.full((n, width), num_blocks, dtype=torch.int32, device=self.device),
-            "seq_lens": torch.ones(n, dtype=torch.int32, device=self.device),
-            "cu_q": torch.arange(n + 1, dtype=torch.int32, device=self.device),
-        }
-        s = self._static
+        n, width = sizes[-1], self.max_blocks_per_seq
+        self.pad_block = num_blocks
+        # rows: token ids, positions, cache slots, context lengths
+        self._host_long = torch.zeros(4, n, dtype=torch.long).pin_memory()
+        self._host_tables = torch.zeros(n, width, dtype=torch.int32).pin_memory()
+        self._dev_long = torch.zeros(4, n, dtype=torch.long, device=self.device)
+        self._dev_tables = torch.zeros(n, width, dtype=torch.int32, device=self.device)
+        self._cu_q = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        self._fill_padding(0, n)
+        self._dev_long.copy_(self._host_long)
+        self._dev_tables.copy_(self._host_tables)
+        ids, positions, slots, seq_lens = self._dev_long
         pool = None
         for size in reversed(sizes):
             meta = AttentionMetadata(
-                kv_cache=self.kv_cache, slot_mapping=s["slots"][:size], block_tables=s["tables"][:size],
-                seq_lens=s["seq_lens"][:size], cu_seqlens_q=s["cu_q"][: size + 1], max_query_len=1,
+                kv_cache=self.kv_cache, slot_mapping=slots[:size], block_tables=self._dev_tables[:size],
+                seq_lens=seq_lens[:size], cu_seqlens_q=self._cu_q[: size + 1], max_query_len=1,
             )
 
-            def forward(size: int = size, meta: AttentionMetadata = meta) -> torch.Tensor:
-                hidden, _ = self.model.forward(s["ids"][:size], s["positions"][:size], meta)
-                return self.model.compute_logits(hidden)
+            def forward(size: int = size, meta: AttentionMetadata = meta) -> tuple[torch.Tensor, torch.Tensor]:
+                hidden, _ = self.model.forward(ids[:size], positions[:size], meta)
+                logits = self.model.compute_logits(hidden)
+                return logits, logits.argmax(dim=-1)
 
             forward()  # warm up (Triton compiles, allocator settles) outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = forward()
+                logits, argmax = forward()
             pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+            self.graphs[size] = (graph, logits, argmax)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs",
                     len(sizes), sizes, time.perf_counter() - started)
 
-    def _replay(self, p: _Packed) -> torch.Tensor:
+    def _fill_padding(self, start: int, end: int) -> None:
+        """Padded rows decode into the spare block and attend only to themselves."""
+        self._host_long[:2, start:end] = 0
+        self._host_long[2, start:end] = self.pad_slot
+        self._host_long[3, start:end] = 1
+        self._host_tables[start:end, 0] = self.pad_block
+
+    def _replay(self, p: _Packed) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(p.ids)
         size = next(b for b in sorted(self.graphs) if b >= n)
-        s = self._static
+        host = self._host_long.numpy()
+        host[0, :n], host[1, :n], host[2, :n], host[3, :n] = p.ids, p.positions, p.slots, p.seq_lens
         width = max(len(t) for t in p.tables)
-        host = torch.tensor([p.ids, p.positions, p.slots, p.seq_lens], dtype=torch.long)
-        s["ids"][:n].copy_(host[0], non_blocking=True)
-        s["positions"][:n].copy_(host[1], non_blocking=True)
-        s["slots"][:n].copy_(host[2], non_blocking=True)
-        s["seq_lens"][:n].copy_(host[3], non_blocking=True)
-        s["tables"][:n, :width].copy_(torch.from_numpy(self._block_table_array(p.tables, n, width)), non_blocking=True)
-        if n < size:  # padded rows decode into the spare block, attending only to themselves
-            s["slots"][n:size].fill_(self.pad_slot)
-            s["seq_lens"][n:size].fill_(1)
-            s["tables"][n:size, 0].fill_(self.pad_slot // self.block_size)
-        graph, logits = self.graphs[size]
+        self._host_tables[:n, :width] = torch.from_numpy(self._block_table_array(p.tables, n, width))
+        self._fill_padding(n, size)
+        self._dev_long[:, :size].copy_(self._host_long[:, :size], non_blocking=True)
+        self._dev_tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
+        graph, logits, argmax = self.graphs[size]
         graph.replay()
-        return logits[:n]
+        return logits[:n], argmax[:n]
