@@ -265,7 +265,7 @@ class ProcessStageWorker:
                 return
             self._dead = why
         was_ready = self._ready.is_set()
-        if not self._stopping:
+        if was_ready and not self._stopping:
             logger.error("stage %r replica %d died: %s", self.stage, self.replica, why)
         self.inflight.fail_all(why)
         if was_ready and not self._stopping and self.on_exit is not None:
