@@ -34,7 +34,7 @@ def _paged_attention_kernel(
     q_len = tl.load(cu_q + seq + 1) - q_start
     if tile * BLOCK_Q >= q_len:
         return
-    ctx_len = tl.load(seq_lens + seq)
+    ctx_len = tl.load(seq_lens + seq).to(tl.int32)  # int32 or int64 lengths (graphs keep them int64)
 
     rows = tl.arange(0, BLOCK_M)
     token = tile * BLOCK_Q + rows // GROUP
