@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from omnistage.engine.types import TokenLogprob
+from omnistage.entrypoints.openai.metrics import router as metrics_router
 from omnistage.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -730,6 +731,7 @@ def build_app(engine: AsyncOmni, api_key: str | None = None) -> FastAPI:
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     app.include_router(router)
+    app.include_router(metrics_router)
     return app
 
 
