@@ -119,6 +119,18 @@ def _stop_all() -> None:
         worker.shutdown(grace=2.0)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM's default action ends the process before `finally` blocks and atexit run, which
+    would orphan the workers (uvicorn re-raises it after its own shutdown). Turn it into
+    SystemExit, unless the application handles SIGTERM itself."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 class ProcessStageWorker:
     def __init__(self, stage: str, replica: int, spec: control.WorkerSpec, launch: Launcher,
                  on_outputs: OutputCallback, on_exit: ExitCallback | None = None, bind_host: str | None = None):
@@ -155,6 +167,7 @@ class ProcessStageWorker:
         self.inbox = control.Link(self._inbox_end, f"->{stage}", spec.inline_max_bytes)
         self.outbox = control.Link(self._outbox_end, f"{stage}->", spec.inline_max_bytes)
         self.spec = spec
+        _exit_on_sigterm()
         self.handle: Handle = launch(spec)
         _LIVE.add(self)
         self._thread = threading.Thread(target=self._receive, name=f"stage-{stage}-{replica}-events", daemon=True)
