@@ -55,7 +55,7 @@ def main() -> None:
     torch.set_default_dtype(torch.float32)
 
     engine = build_engine(model, config, max_num_seqs=8, util=0.5)
-    graph, _ = engine.runner.graphs[1]
+    graph = engine.runner.graphs[1][0]
     for _ in range(5):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

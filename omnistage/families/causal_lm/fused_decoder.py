@@ -61,7 +61,7 @@ class FusedDecoder:
                 ok = (
                     all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
                     and all(getattr(mlp, n).bias is None for n in ("gate_proj", "up_proj", "down_proj"))
-                    and isinstance(mlp.act_fn, nn.SiLU)
+                    and getattr(decoder.config, "hidden_act", None) == "silu"
                     and hasattr(layer.input_layernorm, "variance_epsilon")
                     and hasattr(layer.post_attention_layernorm, "variance_epsilon")
                 )

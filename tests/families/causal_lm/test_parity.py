@@ -109,3 +109,11 @@ def test_chat_messages_use_the_chat_template(tiny_qwen2: str) -> None:
     assert out.token_ids == expected
     assert out.num_prompt_tokens == len(ids)
     assert out.text == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_fused_decoder_serves_llama_style_checkpoints(tiny_lm: str) -> None:
+    """The parity tests above run through the fused forward: make sure it is the one in use."""
+    from omnistage.families.causal_lm import causal_lm_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm, dtype=torch.float32)
+    assert causal_lm_model(model, model.config).fast_forward is not None
