@@ -15,6 +15,7 @@ from those lines.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -229,6 +230,7 @@ def main() -> None:
         except Exception:
             traceback.print_exc()
             record(part="error", trace=traceback.format_exc()[-2000:])
+        gc.collect()
         torch.cuda.empty_cache()
 
 

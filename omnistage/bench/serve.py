@@ -44,7 +44,8 @@ class RequestResult:
 
 
 async def _one(client: httpx.AsyncClient, url: str, headers: dict[str, str], payload: dict) -> RequestResult:
-    """Stream one completion; a chunk carrying text counts as a token arrival."""
+    """Stream one completion; a chunk carrying text (or, when asked for, token ids) counts as a token
+    arrival. Token ids matter when tokens may decode to no text, e.g. random-weight models."""
     result = RequestResult()
     start = last = time.perf_counter()
     try:
@@ -65,7 +66,7 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict[str, str], pay
                 if obj.get("usage"):
                     result.prompt_tokens = obj["usage"]["prompt_tokens"]
                     result.output_tokens = obj["usage"]["completion_tokens"]
-                if any(c.get("text") for c in obj.get("choices", [])):
+                if any(c.get("text") or c.get("token_ids") for c in obj.get("choices", [])):
                     now = time.perf_counter()
                     if result.ttft is None:
                         result.ttft = now - start
@@ -110,8 +111,10 @@ async def bench_serve(
     output_len: int = 128,
     api_key: str | None = None,
     seed: int = 0,
+    return_token_ids: bool = False,
 ) -> dict[str, Any]:
-    """Async form of `run_bench`, for callers already inside an event loop."""
+    """Async form of `run_bench`, for callers already inside an event loop. `return_token_ids` uses
+    omnistage's extension so that tokens without text still count (other servers may reject it)."""
     base_url = base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     concurrency = concurrency or num_prompts
@@ -132,6 +135,8 @@ async def bench_serve(
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            if return_token_ids:
+                payload["return_token_ids"] = True
             async with gate:
                 return await _one(client, f"{base_url}/v1/completions", headers, payload)
 
@@ -183,9 +188,13 @@ def run_bench(
     output_len: int = 128,
     api_key: str | None = None,
     seed: int = 0,
+    return_token_ids: bool = False,
 ) -> dict[str, Any]:
     """Send `num_prompts` streaming completions (at most `concurrency` in flight; Poisson arrivals at
     `request_rate` req/s unless inf) and return the measurements as a JSON-ready dict."""
     return asyncio.run(
-        bench_serve(base_url, model, num_prompts, concurrency, request_rate, input_len, output_len, api_key, seed)
+        bench_serve(
+            base_url, model, num_prompts, concurrency, request_rate, input_len, output_len, api_key, seed,
+            return_token_ids,
+        )
     )

@@ -162,6 +162,7 @@ class AREngine:
     def shutdown(self) -> None:
         for request_id in list(self.seqs):
             self.abort(request_id)
+        self.runner.release()
 
     # ---- one step -------------------------------------------------------------------------
 

@@ -96,6 +96,13 @@ class ModelRunner:
         if self.use_graphs:
             self._capture_graphs(num_blocks)
 
+    def release(self) -> None:
+        """Drop the KV cache and captured graphs (their memory pool) so the device memory returns."""
+        self.graphs.clear()
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     # ---- one step -------------------------------------------------------------------------
 
     def _pack(self, batch: list[tuple[Sequence, int]]) -> _Packed:
