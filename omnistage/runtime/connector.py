@@ -14,6 +14,8 @@ import mmap
 import os
 import threading
 import time
+import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -78,6 +80,8 @@ class InProcessConnector:
 # ---- across processes: payloads go through serialization (header + raw tensor buffers) ---------
 
 SHM_DIR = Path("/dev/shm")
+# Fault every page in at map time: one pass in the kernel instead of a fault per 4 KB page.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _tag(text: str) -> str:
@@ -87,21 +91,31 @@ def _tag(text: str) -> str:
 class ShmConnector:
     """One end of a same-host link over POSIX shared memory (Linux /dev/shm).
 
-    `put` writes one segment per payload (written under a temporary name, then renamed, so a
-    reader never sees half a payload). `get` maps it, unlinks the name at once and builds tensors
-    on the mapping: zero-copy, and the memory goes back to the OS when the last tensor dies.
-    Names are `{prefix}.{side}.{request tag}.{key tag}`, so `cleanup` finds a request's payloads
-    and the link's owner can purge everything a dead peer left behind.
+    `put` writes one segment per payload, under a temporary name renamed into place, so a reader
+    never sees half a payload. `get` maps it and builds tensors on the mapping: zero-copy. Fresh
+    shared memory is costly (every page is allocated and zeroed), so segments are recycled: once
+    the last tensor on a mapping dies, the reader hands the file back to a few free slots and
+    the writer fills one of those next time, paying only the copy.
+
+    Names are `{prefix}.{writer side}.` followed by `{request tag}.{key tag}` (a payload),
+    `busy.{id}` (mapped by the reader) or `free.{slot}`, so `cleanup` finds a request's payloads
+    and the link's owner purges whatever is left, also after a peer died.
     """
+
+    POOL = 4  # free segments kept per direction
 
     def __init__(self, prefix: str, side: str, owner: bool = False):
         if not SHM_DIR.is_dir():
             raise OSError("the shm connector needs /dev/shm (Linux); use the tcp connector here")
         self.prefix, self.side, self.owner = prefix, side, owner
         self.peer_side = "b" if side == "a" else "a"
+        self._closed = [False]  # shared with recycling finalizers
+        self._base = f"{SHM_DIR}/{prefix}"
+        self._free_mine, self._free_peer = ([f"{self._base}.{s}.free.{k}" for k in range(self.POOL)]
+                                            for s in (side, self.peer_side))
 
-    def _path(self, side: str, key: Key) -> Path:
-        return SHM_DIR / f"{self.prefix}.{side}.{_tag(key[0])}.{_tag(f'{key[1]}|{key[2]}')}"
+    def _path(self, side: str, key: Key) -> str:
+        return f"{self._base}.{side}.{_tag(key[0])}.{_tag(f'{key[1]}|{key[2]}')}"
 
     def put(self, key: Key, payload: Any) -> None:
         self.put_packed(key, *serialization.pack(payload))
@@ -109,11 +123,14 @@ class ShmConnector:
     def put_packed(self, key: Key, header: bytes, buffers: list[memoryview]) -> None:
         size = serialization.contiguous_size(header, buffers)
         path = self._path(self.side, key)
-        tmp = path.with_name(path.name + ".w")
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        tmp = path + ".w"
+        fd = self._recycled(tmp, size)
+        if fd is None:
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
-            with mmap.mmap(fd, size) as block, memoryview(block) as view:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            with mmap.mmap(fd, size, flags=_MAP_FLAGS) as block, memoryview(block) as view:
                 serialization.to_contiguous(header, buffers, view)
         except BaseException:
             os.unlink(tmp)
@@ -122,14 +139,27 @@ class ShmConnector:
             os.close(fd)
         os.rename(tmp, path)
 
+    def _recycled(self, tmp: str, size: int) -> int | None:
+        """Claim a free segment not much larger than `size` (its pages are already there)."""
+        for free in self._free_mine:
+            try:
+                if os.stat(free).st_size <= 4 * size:
+                    os.rename(free, tmp)  # only this end takes free segments of its side
+                    return os.open(tmp, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+        return None
+
     def get(self, key: Key, timeout: float | None = None) -> Any:
         path = self._path(self.peer_side, key)
         fd = _wait_open(path, key, timeout)
         try:
-            block = mmap.mmap(fd, os.fstat(fd).st_size)
+            block = mmap.mmap(fd, os.fstat(fd).st_size, flags=_MAP_FLAGS)
         finally:
             os.close(fd)
-            os.unlink(path)
+        busy = f"{self._base}.{self.peer_side}.busy.{uuid.uuid4().hex[:12]}"
+        os.rename(path, busy)
+        weakref.finalize(block, _recycle, busy, self._free_peer, self._closed)
         header, buffers = serialization.from_contiguous(memoryview(block))
         return serialization.unpack(header, buffers)
 
@@ -138,24 +168,44 @@ class ShmConnector:
             path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Unlink what this end wrote and nobody read; the owner unlinks the whole link."""
-        pattern = f"{self.prefix}.*" if self.owner else f"{self.prefix}.{self.side}.*"
-        for path in SHM_DIR.glob(pattern):
-            path.unlink(missing_ok=True)
+        """The owner unlinks everything left on the link; the other end leaves what it wrote
+        for its peer to read (the owner purges it at the latest)."""
+        self._closed[0] = True
+        if self.owner:
+            for path in SHM_DIR.glob(f"{self.prefix}.*"):
+                path.unlink(missing_ok=True)
 
 
-def _wait_open(path: Path, key: Key, timeout: float | None) -> int:
-    """Open a segment, polling until it appears (announced payloads are there at once)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+def _recycle(busy: str, slots: list[str], closed: list[bool]) -> None:
+    """The reader's last tensor on a segment died: offer the file to its writer, else free it."""
+    try:
+        if not closed[0]:
+            for slot in slots:
+                try:
+                    os.link(busy, slot)  # fails if the slot is taken: never overwrites
+                    break
+                except FileExistsError:
+                    continue
+        os.unlink(busy)
+    except FileNotFoundError:
+        pass  # purged meanwhile
+
+
+def _wait_open(path: str, key: Key, timeout: float | None) -> int:
+    """Open a segment, polling until it appears: spin briefly, then sleep in growing steps.
+    (The runtime announces payloads after putting them, so there it is found at once.)"""
+    start = time.monotonic()
     pause = 20e-6
     while True:
         try:
             return os.open(path, os.O_RDWR)
         except FileNotFoundError:
-            if deadline is not None and time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            if timeout is not None and waited >= timeout:
                 raise TimeoutError(f"no payload for {key} within {timeout}s") from None
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            if waited > 200e-6:
+                time.sleep(pause)
+                pause = min(pause * 2, 500e-6)
 
 
 class TcpConnector:
@@ -218,7 +268,7 @@ class TcpConnector:
             self._cond.notify_all()
         with self._send_lock:
             if self._push is not None:
-                self._push.close(linger=0)
+                self._push.close(linger=5000)  # what was put still reaches a live peer
         self._ctx.term()  # the receiver thread sees ETERM and closes its socket; term waits for it
         self._thread.join(timeout=5)
 

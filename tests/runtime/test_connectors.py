@@ -122,13 +122,22 @@ def test_cleanup_drops_one_requests_payloads(link) -> None:
     assert torch.equal(b.get(("kept", "e", 0), timeout=5), torch.ones(8))
 
 
-def test_shm_tensors_outlive_the_segment_name() -> None:
+def test_shm_segments_are_recycled_and_purged() -> None:
     prefix = f"omnistage-test-{os.getpid()}-zc"
     a, b = ShmConnector(prefix, "a", owner=True), ShmConnector(prefix, "b")
+
+    def names() -> list[str]:
+        return sorted(p.name.split(".", 2)[2].split(".")[0] for p in SHM.glob(f"{prefix}.*"))
+
     a.put(("r", "e", 0), torch.arange(1024.0))
     got = b.get(("r", "e", 0), timeout=5)
-    assert not list(SHM.glob(f"{prefix}*"))  # unlinked on get; the mapping stays until the tensor dies
+    assert names() == ["busy"]  # mapped by the reader: tensors live on it (zero-copy)
     assert torch.equal(got, torch.arange(1024.0))
-    a.put(("r", "e", 1), torch.ones(2))
+    del got
+    assert names() == ["free"]  # the last tensor died: back to the writer
+    a.put(("r", "e", 1), torch.ones(1000))
+    assert len(names()) == 1 and names() != ["free"]  # reused, not a new segment
+    assert torch.equal(b.get(("r", "e", 1), timeout=5), torch.ones(1000))
+    a.put(("r", "e", 2), torch.ones(2))
     a.close()  # the owner purges what nobody read
-    assert not list(SHM.glob(f"{prefix}*"))
+    assert names() == []
