@@ -156,7 +156,7 @@ Reading the table:
   get of 1 KB in one process here) plus one copy; recycled segments spare it allocating and zeroing
   fresh pages, which on this VM cost more than the copy (53 ms -> 16 ms per 64 MB put).
 - At 1 MB those mapping costs outweigh the two copies TCP makes into warm buffers; at 64 MB shm is
-  1.8x faster than TCP (one copy instead of two, no fresh memory on the reading side).
+  about 1.9x faster than TCP (one copy instead of two, no fresh memory on the reading side).
 - Not measured here: payloads that cross hosts (tcp over a real network) and GPU tensors (the wire
   format copies them to host memory first).
 """

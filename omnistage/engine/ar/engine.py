@@ -154,7 +154,7 @@ class AREngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "kv_blocks_used": sum(1 for c in self.block_manager.ref_counts if c),
+            "kv_blocks_used": self.block_manager.num_used,
             "kv_blocks_total": self.block_manager.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
         }

@@ -39,7 +39,8 @@ def plan_num_blocks(
     else:
         budget = _CPU_DEFAULT_BUDGET_GB * 2**30
     blocks = int(budget // per_block)
-    if device.type != "cuda" and kv_cache_memory_gb is None:
-        # Host memory is shared with everything else: never more than the stage can use.
-        blocks = min(blocks, max_num_seqs * -(-max_model_len // block_size))
+    if kv_cache_memory_gb is None:
+        # Beyond twice what a full batch of full-length sequences holds, blocks only feed the prefix
+        # cache, and small models would otherwise get millions of them (host bookkeeping per block).
+        blocks = min(blocks, 2 * max_num_seqs * -(-max_model_len // block_size))
     return max(blocks, 0)
