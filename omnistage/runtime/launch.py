@@ -38,13 +38,13 @@ def build_pipeline(
 
 def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
     backend = pipeline.deploy.worker_backend
+    links = connector_choice(pipeline)
     if backend == "inline":
         def make_worker(stage: str, replica: int, on_outputs: OutputCallback, on_exit: ExitCallback):
             return InlineStageWorker(stage, replica, pipeline.build_engine(stage), on_outputs, on_exit)
 
         return Orchestrator(pipeline, make_worker)
 
-    links = connector_choice(pipeline)
     deploy = pipeline.deploy.model_dump(mode="json", exclude_unset=True)
     if backend == "ray":
         import ray
@@ -85,13 +85,16 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
 
 
 def connector_choice(pipeline: Pipeline) -> dict[str, dict[str, ConnectorConfig]]:
-    """Per stage, the connector of its inputs ("in") and of its outputs ("out")."""
+    """Per stage, the connector of its inputs ("in") and of its outputs ("out"). The inline
+    backend hands objects over directly, so it only checks the edge names."""
     deploy = pipeline.deploy
     edge_names = [f"{e.src}->{e.dst}" for e in pipeline.edges]
     for key in deploy.connectors:
         if key != "*" and key not in edge_names:
             raise ConfigError(f"deploy config: connectors.{key}: no such edge{did_you_mean(key, edge_names)} "
                               f"(this pipeline has: {', '.join(edge_names) or 'no edges'}; '*' means every edge)")
+    if deploy.worker_backend == "inline":
+        return {}
     default = deploy.connectors.get("*") or ConnectorConfig(type=DEFAULT_CONNECTOR[deploy.worker_backend])
     out: dict[str, dict[str, ConnectorConfig]] = {}
     for spec in pipeline.stages:

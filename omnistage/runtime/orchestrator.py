@@ -234,7 +234,7 @@ class Orchestrator:
             if not state.pending_outputs:
                 self._finish(state, delta, abort=False)
             else:
-                state.sink(delta)
+                self._deliver(state, delta)
 
     def _finish(self, state: _RequestState, last: OmniOutput, abort: bool) -> None:
         del self.requests[state.request.request_id]
@@ -242,4 +242,11 @@ class Orchestrator:
         self._release(state, abort)
         last.finished = True
         last.metrics = state.metrics
-        state.sink(last)
+        self._deliver(state, last)
+
+    @staticmethod
+    def _deliver(state: _RequestState, out: OmniOutput) -> None:
+        try:
+            state.sink(out)
+        except Exception:  # e.g. the caller's event loop is gone; other requests go on
+            logger.exception("could not deliver output of request %r", out.request_id)

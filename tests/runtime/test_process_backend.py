@@ -5,6 +5,7 @@ name the stage, and nothing left behind (processes, /dev/shm segments) after shu
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -15,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omnistage import Omni, SamplingParams
-from omnistage.errors import StageError
+from omnistage.errors import ConfigError, StageError
 from omnistage.runtime.messages import OmniOutput, OmniRequest
 
 from .two_stage_family import make_two_stage_checkpoint, two_stage_plugin
@@ -136,3 +137,15 @@ def test_a_stage_with_no_live_replica_turns_requests_away(tiny_qwen2: str) -> No
             omni.generate("Hello", GREEDY)
         assert err.value.status == 503
     assert_gone(pids)
+
+
+@pytest.mark.parametrize(("deploy", "message"), [
+    ({"connectors": {"draft->refin": {"type": "shm"}}},
+     "connectors.draft->refin: no such edge; did you mean 'draft->refine'?"),
+    ({"worker_backend": "process", "connectors": {"*": {"type": "inprocess"}}},
+     "connector 'inprocess' cannot link processes"),
+])
+def test_connector_config_errors(two_stage_path: str, deploy: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Omni(two_stage_path, deploy)
+    assert shm_segments() == []
