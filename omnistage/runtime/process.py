@@ -184,7 +184,7 @@ class ProcessStageWorker:
 
     def abort(self, request_id: str) -> None:
         self.inflight.discard(request_id)
-        if self._dead is None:
+        if self._dead is None and self._ready.is_set():
             with self._lock:
                 control.send(self._commands, control.Abort(request_id))
 
@@ -228,7 +228,9 @@ class ProcessStageWorker:
 
     def _send(self, kind: type, request_id: str, inp: StageInput) -> None:
         if self._dead is not None:
-            return  # the request was failed when the worker died
+            return  # its requests were failed when it died
+        if not self._ready.is_set():  # the orchestrator only routes to ready replicas
+            raise StageError(f"stage {self.stage!r} replica {self.replica} is not ready yet", status=503)
         with self._lock:
             item, frames = self.inbox.encode(inp, request_id)
             msg = control.Add(item) if kind is control.Add else control.Chunk(request_id, item)

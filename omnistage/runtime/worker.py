@@ -115,10 +115,14 @@ class InFlight:
         self.stage, self.replica, self.on_outputs = stage, replica, on_outputs
         self.ids: set[str] = set()
         self.lock = threading.Lock()
+        self.failed: tuple[str, int] | None = None  # (why, status) once the worker is gone
 
     def add(self, request_id: str) -> None:
         with self.lock:
             self.ids.add(request_id)
+            late = self.failed is not None
+        if late:  # raced with the worker's death; the caller holds the orchestrator's lock
+            threading.Thread(target=self.fail_all, args=self.failed, daemon=True).start()
 
     def discard(self, request_id: str) -> None:
         with self.lock:
@@ -135,6 +139,7 @@ class InFlight:
     def fail_all(self, why: str, status: int = 503) -> None:
         with self.lock:
             ids, self.ids = sorted(self.ids), set()
+            self.failed = self.failed or (why, status)
         if ids:
             self.on_outputs(self.stage, self.replica, [StageOutput(
                 request_id=rid, stage=self.stage, finished=True, finish_reason="error",
