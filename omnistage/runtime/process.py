@@ -144,6 +144,7 @@ class ProcessStageWorker:
         self._dead: str | None = None
         self._failure: str | None = None  # the worker's own account of what went wrong
         self._stopping = False
+        self._thread_started = False  # the receiver thread owns (and closes) the events socket
         self._lock = threading.Lock()  # the command socket and links
         self._ctx = zmq.Context()
         self._tmp = tempfile.mkdtemp(prefix="omnistage-")
@@ -168,10 +169,15 @@ class ProcessStageWorker:
         self.outbox = control.Link(self._outbox_end, f"{stage}->", spec.inline_max_bytes)
         self.spec = spec
         _exit_on_sigterm()
-        self.handle: Handle = launch(spec)
+        try:
+            self.handle: Handle = launch(spec)
+        except Exception as exc:
+            self._close()
+            raise StageError(f"stage {stage!r} replica {replica} could not be launched: {exc}") from exc
         _LIVE.add(self)
         self._thread = threading.Thread(target=self._receive, name=f"stage-{stage}-{replica}-events", daemon=True)
         self._thread.start()
+        self._thread_started = True
 
     # ---- StageWorker --------------------------------------------------------------------------
 
@@ -216,13 +222,18 @@ class ProcessStageWorker:
         self.handle.stop(grace)
         self._thread.join(timeout=5)
         self._died("the stage was shut down")
+        self._close()
+        _LIVE.discard(self)
+
+    def _close(self) -> None:
         with self._lock:
             self._commands.close()
+            if not self._thread_started:
+                self._events.close()
             for end in (self._inbox_end, self._outbox_end):
                 end.close()
         self._ctx.term()
         shutil.rmtree(self._tmp, ignore_errors=True)
-        _LIVE.discard(self)
 
     # ---- internals ----------------------------------------------------------------------------
 

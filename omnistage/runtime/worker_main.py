@@ -10,6 +10,7 @@ loop iteration sends its outputs and stats back.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -83,7 +84,8 @@ def serve(spec: control.WorkerSpec) -> int:
                                     daemon=True)
         receiver.start()
         if spec.parent_pid:
-            threading.Thread(target=_watch_parent, args=(spec.parent_pid, links), daemon=True).start()
+            threading.Thread(target=_watch_parent, args=(spec.parent_pid, links, spec.event_address),
+                             daemon=True).start()
         inbox_address = links[0].address if spec.inbox.type == "tcp" else None
         emit(control.Ready(os.getpid(), command_address, inbox_address))
         try:
@@ -145,14 +147,17 @@ def _host_toward(address: str) -> str:
         return probe.getsockname()[0]
 
 
-def _watch_parent(parent_pid: int, links: list) -> None:
-    """The orchestrator died without stopping us (SIGKILL): free the links and go."""
+def _watch_parent(parent_pid: int, links: list, event_address: str) -> None:
+    """The orchestrator died without stopping us (SIGKILL): free the links and its socket
+    directory (nobody else is left to), and go."""
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     for end in links:
         if isinstance(end, ShmConnector):
-            end.owner = True  # nobody else is left to purge the link
+            end.owner = True
             end.close()
+    if event_address.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(event_address.removeprefix("ipc://")), ignore_errors=True)
     os._exit(0)
 
 

@@ -75,3 +75,31 @@ def test_signal_stops_every_stage_process(tiny_qwen2: str, tmp_path: Path, sig: 
             server.kill()
             server.wait()
         log.close()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's new parent may be slow to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_follow_a_killed_orchestrator(tiny_qwen2: str) -> None:
+    """SIGKILL leaves no chance to clean up: the workers notice, free the links and exit."""
+    script = (
+        "import os\n"
+        "from omnistage import Omni, SamplingParams\n"
+        f"omni = Omni({tiny_qwen2!r}, {{'worker_backend': 'process'}})\n"
+        "omni.generate('Hi', SamplingParams(max_tokens=2))\n"
+        "print(os.getpid(), *[w.handle.proc.pid for w in omni.orchestrator.workers['lm']], flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    orchestrator, *workers = (int(p) for p in run.stdout.split())
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a worker outlived its orchestrator"
+        time.sleep(0.1)
+    assert list(Path("/dev/shm").glob(f"omnistage-{orchestrator}-*")) == []
