@@ -242,5 +242,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with torch.inference_mode():
+    # No global inference mode: the HF references run exactly as a user would call them (generate
+    # manages its own grad mode; generate_batch fails silently on inference-mode weights).
+    with torch.no_grad():
         main()
