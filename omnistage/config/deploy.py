@@ -38,6 +38,7 @@ class StageConfig(_Strict):
     block_size: int = Field(16, ge=1)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    overlap_decode: bool = Field(True, description="Keep a greedy decode step in flight while the host reads the last")
     enforce_eager: bool = False
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
 

@@ -78,7 +78,7 @@ class BlockManager:
         """Publish newly completed blocks of computed, token-only content to the prefix cache."""
         if not self.enable_prefix_caching or seq.embeds:
             return
-        full = seq.num_computed // self.block_size
+        full = min(seq.num_computed, seq.num_tokens) // self.block_size  # a token may still be in flight
         for block_hash in self._extend_hashes(seq, full):
             block = seq.block_table[len(seq.block_hashes)]
             if block_hash not in self.cached:  # a duplicate keeps the first copy as the cached one

@@ -12,7 +12,7 @@ from omnistage.engine.ar.block_manager import BlockManager
 from omnistage.engine.ar.detokenizer import IncrementalDetokenizer
 from omnistage.engine.ar.memory import plan_num_blocks
 from omnistage.engine.ar.model import ARModel
-from omnistage.engine.ar.model_runner import ModelRunner
+from omnistage.engine.ar.model_runner import DecodeLaunch, ModelRunner
 from omnistage.engine.ar.sampler import Sampler, SampleRow
 from omnistage.engine.ar.scheduler import Scheduler
 from omnistage.engine.ar.sequence import Sequence
@@ -36,6 +36,7 @@ class AREngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    overlap_decode: bool = True  # keep a greedy decode step in flight while the host handles the last
     # Hidden states a request can ask for: output name -> layer (0 = embeddings, L = final).
     hidden_state_layers: dict[str, int] = field(default_factory=dict)
     default_params: SamplingParams = field(default_factory=SamplingParams)
@@ -78,6 +79,8 @@ class AREngine:
         self.sampler = Sampler(config.seed)
         self.seqs: dict[str, Sequence] = {}
         self.hidden_wanted: dict[str, bool] = {}
+        self.in_flight: DecodeLaunch | None = None  # a greedy decode step whose tokens are unread
+        self.num_overlapped_steps = 0
         self._arrivals = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -148,7 +151,7 @@ class AREngine:
             self.scheduler.remove(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.in_flight is not None or self.scheduler.has_work()
 
     def stats(self) -> dict[str, int]:
         return {
@@ -157,9 +160,13 @@ class AREngine:
             "kv_blocks_used": self.block_manager.num_used,
             "kv_blocks_total": self.block_manager.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_overlapped_steps": self.num_overlapped_steps,
         }
 
     def shutdown(self) -> None:
+        if self.in_flight is not None:  # let the device finish before its buffers go
+            self.runner.read_tokens(self.in_flight)
+            self.in_flight = None
         for request_id in list(self.seqs):
             self.abort(request_id)
         self.runner.release()
@@ -167,9 +174,13 @@ class AREngine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[StageOutput]:
+        if self.in_flight is not None:
+            return self._advance_decode()
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.config.overlap_decode and all(n == 1 and self._overlappable(s) for s, n in batch):
+            return self._start_decode([s for s, _ in batch])
         layers = tuple(sorted(set(self.config.hidden_state_layers.values())))
         want_hidden = layers and any(self.hidden_wanted.get(s.request_id) for s, _ in batch)
         try:
@@ -191,13 +202,75 @@ class AREngine:
                 self._collect_hidden(seq, out, result.hidden, result.row_spans[i])
             if i in sampled:
                 self._append_token(seq, out, *sampled[i])
-            if out.token_ids or out.hidden_states or out.finished:
-                out.num_prompt_tokens = seq.num_prompt_tokens
-                out.num_cached_tokens = seq.num_cached
-                out.num_output_tokens = seq.num_output_tokens
-                outputs.append(out)
-            if out.finished:
-                self.abort(seq.request_id)
+            self._emit(seq, out, outputs)
+        return outputs
+
+    def _emit(self, seq: Sequence, out: StageOutput, outputs: list[StageOutput]) -> None:
+        if out.token_ids or out.hidden_states or out.finished:
+            out.num_prompt_tokens = seq.num_prompt_tokens
+            out.num_cached_tokens = seq.num_cached
+            out.num_output_tokens = seq.num_output_tokens
+            outputs.append(out)
+        if out.finished:
+            self.abort(seq.request_id)
+
+    # ---- overlapped greedy decoding ---------------------------------------------------------
+    # While every scheduled sequence is a plain greedy decode and nobody waits to be admitted, the
+    # engine keeps one step in flight: it launches step N+1 (its input tokens are step N's outputs,
+    # passed on the device) before reading step N's tokens, so the host's bookkeeping overlaps the
+    # device's work. A sequence that turns out to have finished at step N wastes one token of N+1.
+
+    def _overlappable(self, seq: Sequence) -> bool:
+        p = seq.params
+        return (
+            seq.input_final
+            and not self.hidden_wanted.get(seq.request_id)
+            and seq.num_computed not in seq.embeds
+            and p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
+            and not p.frequency_penalty and not p.presence_penalty
+            and seq.num_output_tokens >= p.min_tokens
+        )
+
+    def _start_decode(self, seqs: list[Sequence]) -> list[StageOutput]:
+        try:
+            self.in_flight = self.runner.launch_decode(seqs)
+        except Exception as exc:
+            logger.exception("stage %s: step failed", self.name)
+            return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq in seqs]
+        for seq in seqs:
+            seq.num_computed += 1
+        return self._advance_decode()
+
+    def _advance_decode(self) -> list[StageOutput]:
+        current, self.in_flight = self.in_flight, None
+        following = []
+        if not self.scheduler.waiting:
+            for seq in current.seqs:
+                # the token in flight makes num_tokens + 1; a sure finish by length gets no next step
+                last = seq.num_output_tokens + 1 >= seq.max_tokens or seq.num_tokens + 1 >= self.config.max_model_len
+                if (self.seqs.get(seq.request_id) is seq and not last and self._overlappable(seq)
+                        and self.block_manager.allocate(seq, 1)):
+                    following.append(seq)
+        try:
+            if following:
+                self.in_flight = self.runner.launch_decode(following, previous=current)
+                self.num_overlapped_steps += 1
+            tokens = self.runner.read_tokens(current)
+        except Exception as exc:
+            logger.exception("stage %s: step failed", self.name)
+            self.in_flight = None
+            return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq in current.seqs
+                    if self.seqs.get(seq.request_id) is seq]
+        for seq in following:
+            seq.num_computed += 1
+        outputs: list[StageOutput] = []
+        for seq, token in zip(current.seqs, tokens, strict=True):
+            if self.seqs.get(seq.request_id) is not seq:
+                continue  # finished or aborted while its step was in flight
+            out = StageOutput(request_id=seq.request_id, stage=self.name)
+            self._append_token(seq, out, token, None)
+            self.block_manager.register_full_blocks(seq)
+            self._emit(seq, out, outputs)
         return outputs
 
     def _sample_row(self, seq: Sequence) -> SampleRow:

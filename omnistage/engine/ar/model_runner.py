@@ -31,6 +31,16 @@ class StepResult:
 
 
 @dataclass
+class DecodeLaunch:
+    """A greedy decode step handed to the device whose tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    argmax: torch.Tensor  # [n] chosen ids, on the device
+    host_tokens: torch.Tensor | None = None  # pinned copy of `argmax`, filled asynchronously (CUDA)
+    done: torch.cuda.Event | None = None
+
+
+@dataclass
 class _Packed:
     """One step's inputs as host lists."""
 
@@ -66,6 +76,7 @@ class ModelRunner:
         self.kv_cache: PagedKVCache | None = None
         self.pad_slot = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._input_slot = self._token_slot = 0
 
     # ---- memory ---------------------------------------------------------------------------
 
@@ -93,6 +104,8 @@ class ModelRunner:
         """Allocate `num_blocks` usable blocks plus one that padded graph rows write into."""
         self.kv_cache = PagedKVCache(self.model.kv_spec, num_blocks + 1, self.block_size, self.device)
         self.pad_slot = num_blocks * self.block_size
+        if self.device.type == "cuda":  # two of each host buffer: one step may be in flight
+            self._host_tokens = [torch.zeros(self.max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
         if self.use_graphs:
             self._capture_graphs(num_blocks)
 
@@ -116,7 +129,8 @@ class ModelRunner:
                     p.embed_rows.append(row + pos - start)
                     p.embed_values.append(seq.embeds[pos])
             table = seq.block_table
-            p.ids += seq.token_ids[start:end]
+            known = seq.token_ids[start:end]
+            p.ids += known + [0] * (n - len(known))  # a token still on the device: filled in there
             p.positions += range(start, end)
             p.slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
             p.query_lens.append(n)
@@ -183,6 +197,47 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[self._tensor(p.last_rows)]) if p.last_rows else None
         return StepResult(p.sample_rows, logits, layers, p.row_spans)
 
+    @torch.inference_mode()
+    def launch_decode(self, seqs: list[Sequence], previous: DecodeLaunch | None = None) -> DecodeLaunch:
+        """Greedy-decode one token for each sequence (at position `num_computed`) without waiting for
+        the device. A sequence whose input token is still `previous`'s output takes it on the device."""
+        p = self._pack([(s, 1) for s in seqs])
+        where = {id(s): i for i, s in enumerate(previous.seqs)} if previous else {}
+        pending = [(i, where[id(s)]) for i, s in enumerate(seqs) if s.num_computed >= s.num_tokens]
+        if self.graphs and len(seqs) <= self.max_num_seqs:
+            _, argmax = self._replay(p, previous, pending)
+        else:
+            ids = self._tensor(p.ids)
+            self._take_previous(ids, previous, pending)
+            hidden, _ = self.model.forward(ids, self._tensor(p.positions), self._metadata(p))
+            argmax = self.model.compute_logits(hidden).argmax(dim=-1)
+        launch = DecodeLaunch(seqs, argmax)
+        if self.device.type == "cuda":
+            self._token_slot ^= 1
+            launch.host_tokens = self._host_tokens[self._token_slot]
+            launch.host_tokens[: len(seqs)].copy_(argmax, non_blocking=True)
+            launch.done = torch.cuda.Event()
+            launch.done.record()
+        return launch
+
+    @staticmethod
+    def read_tokens(launch: DecodeLaunch) -> list[int]:
+        """Wait for that one step (not for any launched after it) and return its tokens."""
+        if launch.done is None:
+            return launch.argmax.tolist()
+        launch.done.synchronize()
+        return launch.host_tokens[: len(launch.seqs)].tolist()
+
+    def _take_previous(self, ids: torch.Tensor, previous: DecodeLaunch | None, pending: list[tuple[int, int]]) -> None:
+        """Copy the still-unread tokens of `previous` into this step's input ids, on the device."""
+        if not pending:
+            return
+        rows, sources = (list(x) for x in zip(*pending, strict=True))
+        if rows == sources == list(range(len(rows))):
+            ids[: len(rows)].copy_(previous.argmax[: len(rows)])
+        else:
+            ids.index_copy_(0, self._tensor(rows), previous.argmax.index_select(0, self._tensor(sources)))
+
     # ---- CUDA graphs for decode steps ------------------------------------------------------
 
     def _capture_graphs(self, num_blocks: int) -> None:
@@ -192,9 +247,11 @@ class ModelRunner:
         sizes = _bucket_sizes(self.max_num_seqs)
         n, width = sizes[-1], self.max_blocks_per_seq
         self.pad_block = num_blocks
-        # rows: token ids, positions, cache slots, context lengths
-        self._host_long = torch.zeros(4, n, dtype=torch.long).pin_memory()
-        self._host_tables = torch.zeros(n, width, dtype=torch.int32).pin_memory()
+        # rows: token ids, positions, cache slots, context lengths. Two host copies: the one a step in
+        # flight may still be reading and the one being filled.
+        self._host_long_pair = [torch.zeros(4, n, dtype=torch.long).pin_memory() for _ in range(2)]
+        self._host_tables_pair = [torch.zeros(n, width, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._host_long, self._host_tables = self._host_long_pair[0], self._host_tables_pair[0]
         self._dev_long = torch.zeros(4, n, dtype=torch.long, device=self.device)
         self._dev_tables = torch.zeros(n, width, dtype=torch.int32, device=self.device)
         self._cu_q = torch.arange(n + 1, dtype=torch.int32, device=self.device)
@@ -231,9 +288,14 @@ class ModelRunner:
         self._host_long[3, start:end] = 1
         self._host_tables[start:end, 0] = self.pad_block
 
-    def _replay(self, p: _Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(
+        self, p: _Packed, previous: DecodeLaunch | None = None, pending: list[tuple[int, int]] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(p.ids)
         size = next(b for b in sorted(self.graphs) if b >= n)
+        self._input_slot ^= 1
+        self._host_long = self._host_long_pair[self._input_slot]
+        self._host_tables = self._host_tables_pair[self._input_slot]
         host = self._host_long.numpy()
         host[0, :n], host[1, :n], host[2, :n], host[3, :n] = p.ids, p.positions, p.slots, p.seq_lens
         width = max(len(t) for t in p.tables)
@@ -241,6 +303,7 @@ class ModelRunner:
         self._fill_padding(n, size)
         self._dev_long[:, :size].copy_(self._host_long[:, :size], non_blocking=True)
         self._dev_tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
+        self._take_previous(self._dev_long[0], previous, list(pending))
         graph, logits, argmax = self.graphs[size]
         graph.replay()
         return logits[:n], argmax[:n]

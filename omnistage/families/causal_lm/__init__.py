@@ -74,6 +74,7 @@ def build_ar_engine(
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         enable_prefix_caching=cfg.enable_prefix_caching,
         enable_chunked_prefill=cfg.enable_chunked_prefill,
+        overlap_decode=cfg.overlap_decode,
         hidden_state_layers=hidden_state_layers or {},
         default_params=cfg.sampling_params(),
     )

@@ -27,6 +27,7 @@ SETTINGS = {
     "no_chunked_prefill": {"enable_chunked_prefill": False, "max_num_batched_tokens": 16},
     "preemption": {"num_kv_blocks": 36, "block_size": 4, "max_num_batched_tokens": 32},
     "one_seq_at_a_time": {"max_num_seqs": 1},
+    "no_overlap": {"overlap_decode": False},
 }
 
 
@@ -75,6 +76,7 @@ def test_greedy_matches_hf(tiny_lm: str, hf_reference, setting: str) -> None:
     assert all(o.finish_reason == "length" for o in outs)
     if setting == "preemption":
         assert stats["num_preemptions"] > 0, "the setting was meant to force preemption"
+    assert (stats["num_overlapped_steps"] > 0) == (setting != "no_overlap")
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
 
 
