@@ -27,6 +27,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    bad_token_ids: list[int] = field(default_factory=list)  # never sampled (e.g. a talker's control codes)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
@@ -40,6 +41,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that needs the logits on the host: the argmax alone decides."""
+        return (
+            self.greedy and self.logprobs is None and not self.bad_token_ids and self.repetition_penalty == 1.0
+            and not self.frequency_penalty and not self.presence_penalty
+        )
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidParams:

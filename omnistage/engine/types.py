@@ -24,6 +24,16 @@ class StageInput:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # multimodal features, codes, ...
     final: bool = True  # False: more chunks will follow via add_input_chunk
     return_hidden_states: bool = False  # AR stages: also output the configured hidden-state layers
+    # Rotary positions when they are not the token index (M-RoPE): [axes, len(token_ids)] for these
+    # tokens, and `index + rope_delta` (on every axis) for the tokens after them.
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int | None = None
+    # Added to the input embeddings of generated tokens, one row per generated position in order (a
+    # talker reading its thinker's reply as it is written). Such a request's prompt is whole from the
+    # start and `final` speaks of these rows: chunks append rows, and once `final` is set,
+    # `embed_add_default` serves every position after the last row.
+    embed_adds: torch.Tensor | None = None
+    embed_add_default: torch.Tensor | None = None
 
 
 @dataclass

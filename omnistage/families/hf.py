@@ -144,6 +144,14 @@ def eos_token_ids(path: Path, config: PretrainedConfig, tokenizer: Any) -> tuple
 _PLAIN_DECODERS = {"qwen2", "qwen3", "llama", "mistral"}
 
 
+def hf_position_ids(positions: torch.Tensor) -> torch.Tensor:
+    """Engine positions ([T], or [axes, T] for multi-axis rotary) as transformers wants them:
+    [1, T], or [axes, 1, T]; a single axis is plain positions."""
+    if positions.dim() == 2 and positions.shape[0] == 1:
+        positions = positions[0]
+    return positions[None] if positions.dim() == 1 else positions[:, None]
+
+
 class HFCausalLM:
     """An HF causal LM seen through the AR engine's ARModel interface. A family may pass a
     `fast_forward` (embeddings, positions, metadata -> final hidden states) for steps that need no
@@ -189,7 +197,7 @@ class HFCausalLM:
         inputs = {"inputs_embeds": embeds[None]} if embeds is not None else {"input_ids": token_ids[None]}
         out = self.decoder(
             **inputs,
-            position_ids=positions[None],
+            position_ids=hf_position_ids(positions),
             use_cache=False,
             output_hidden_states=bool(output_layers),
             **{_METADATA_KWARG: attn},
@@ -209,7 +217,7 @@ class HFCausalLM:
         0 = embeddings, i = output of layer i, the last one after the final norm)."""
         d = self.decoder
         hidden = (embeds if embeds is not None else d.embed_tokens(token_ids))[None]
-        position_ids = positions[None]
+        position_ids = hf_position_ids(positions)
         rotary = d.rotary_emb(hidden, position_ids)
         layers: dict[int, torch.Tensor] = {0: hidden[0]} if 0 in output_layers else {}
         num_layers = len(d.layers)

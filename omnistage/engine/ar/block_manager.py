@@ -46,7 +46,7 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for the longest cached prefix of a new sequence; returns the
         number of tokens they cover. The last token is always recomputed (its logits are needed)."""
-        if not self.enable_prefix_caching or seq.embeds or seq.block_table:
+        if not self.enable_prefix_caching or not seq.cacheable or seq.block_table:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for block_hash in self._extend_hashes(seq, max_blocks):
@@ -76,7 +76,7 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publish newly completed blocks of computed, token-only content to the prefix cache."""
-        if not self.enable_prefix_caching or seq.embeds:
+        if not self.enable_prefix_caching or not seq.cacheable:
             return
         full = min(seq.num_computed, seq.num_tokens) // self.block_size  # a token may still be in flight
         for block_hash in self._extend_hashes(seq, full):

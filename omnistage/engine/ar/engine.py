@@ -116,7 +116,10 @@ class AREngine:
             input_final=inp.final,
         )
         self._arrivals += 1
-        self._add_embeds(seq, inp, 0)
+        if inp.embed_adds is not None or inp.embed_add_default is not None:
+            seq.embed_adds = []  # its prompt is whole; `final` speaks of the added rows
+            seq.input_final = True
+        self._take_input(seq, inp, 0)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -129,20 +132,38 @@ class AREngine:
         self.scheduler.add(seq)
 
     def add_input_chunk(self, request_id: str, chunk: StageInput) -> None:
+        """More prompt tokens (a streamed prompt) or more added-embedding rows (a streamed side input)."""
         seq = self.seqs.get(request_id)
         if seq is None:
             return  # aborted meanwhile
         start = seq.num_tokens
-        seq.token_ids += chunk.token_ids
-        seq.num_prompt_tokens = seq.num_tokens
-        seq.input_final = chunk.final
-        self._add_embeds(seq, chunk, start)
+        if chunk.token_ids:
+            seq.token_ids += chunk.token_ids
+            seq.num_prompt_tokens = seq.num_tokens
+            seq.input_final = chunk.final
+        elif seq.embed_adds is None:
+            seq.input_final = chunk.final
+        self._take_input(seq, chunk, start)
 
-    @staticmethod
-    def _add_embeds(seq: Sequence, inp: StageInput, start: int) -> None:
-        if inp.embeds is not None:
-            for i, row in enumerate(inp.embeds):
-                seq.embeds[start + i] = row
+    def _take_input(self, seq: Sequence, inp: StageInput, start: int) -> None:
+        """Per-position extras of an input (or chunk) whose first token sits at `start`."""
+        embeds = dict(enumerate(inp.embeds)) if inp.embeds is not None else {}
+        encode = getattr(self.runner.model, "multimodal_embeds", None)
+        if encode is not None:  # e.g. audio / image encoders filling placeholder tokens
+            embeds.update(encode(inp))
+        for i, row in embeds.items():
+            seq.embeds[start + i] = row
+        if inp.rope_positions is not None:
+            old = seq.rope_positions
+            seq.rope_positions = inp.rope_positions if old is None else torch.cat([old, inp.rope_positions], dim=1)
+        if inp.rope_delta is not None:
+            seq.rope_delta = inp.rope_delta
+        if seq.embed_adds is not None:
+            if inp.embed_adds is not None:
+                seq.embed_adds.extend(inp.embed_adds)
+            if inp.embed_add_default is not None:
+                seq.embed_add_default = inp.embed_add_default
+            seq.adds_final = inp.final
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -221,14 +242,13 @@ class AREngine:
     # device's work. A sequence that turns out to have finished at step N wastes one token of N+1.
 
     def _overlappable(self, seq: Sequence) -> bool:
-        p = seq.params
         return (
             seq.input_final
-            and not self.hidden_wanted.get(seq.request_id)
+            and seq.params.plain_greedy
+            and seq.num_output_tokens >= seq.params.min_tokens
+            and seq.embed_adds is None
             and seq.num_computed not in seq.embeds
-            and p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
-            and not p.frequency_penalty and not p.presence_penalty
-            and seq.num_output_tokens >= p.min_tokens
+            and not self.hidden_wanted.get(seq.request_id)
         )
 
     def _start_decode(self, seqs: list[Sequence]) -> list[StageOutput]:
@@ -275,10 +295,12 @@ class AREngine:
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         params = seq.params
-        banned: list[int] = []
+        banned = set(params.bad_token_ids)
         if seq.num_output_tokens < params.min_tokens:
-            banned = sorted(self.eos_token_ids | set(params.stop_token_ids))
-        return SampleRow(params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator, banned)
+            banned |= self.eos_token_ids | set(params.stop_token_ids)
+        return SampleRow(
+            params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator, sorted(banned)
+        )
 
     def _collect_hidden(
         self, seq: Sequence, out: StageOutput, hidden: dict[int, torch.Tensor], span: tuple[int, int]

@@ -45,13 +45,17 @@ class _Packed:
     """One step's inputs as host lists."""
 
     ids: list[int]
-    positions: list[int]
+    positions: list[int]  # token index in its sequence (cache slots, causal order)
+    rope: list[int]  # rotary position (index + delta); rows in `rope_explicit` are multi-axis instead
     slots: list[int]
     query_lens: list[int]
     seq_lens: list[int]
     tables: list[list[int]]
     embed_rows: list[int]
     embed_values: list[torch.Tensor]
+    add_rows: list[int]
+    add_values: list[torch.Tensor]
+    rope_explicit: list[tuple[int, torch.Tensor]]
     sample_rows: list[int]
     last_rows: list[int]
     row_spans: list[tuple[int, int]]
@@ -120,14 +124,22 @@ class ModelRunner:
 
     def _pack(self, batch: list[tuple[Sequence, int]]) -> _Packed:
         bs = self.block_size
-        p = _Packed([], [], [], [], [], [], [], [], [], [], [])
+        p = _Packed([], [], [], [], [], [], [], [], [], [], [], [], [], [], [])
         for i, (seq, n) in enumerate(batch):
             start, end = seq.num_computed, seq.num_computed + n
             row = len(p.ids)
-            for pos in range(start, end):
+            plain = seq.cacheable  # no per-position extras: the common case stays a list extend
+            for pos in range(start, end) if not plain else ():
                 if pos in seq.embeds:
                     p.embed_rows.append(row + pos - start)
                     p.embed_values.append(seq.embeds[pos])
+                elif (add := seq.embed_add(pos)) is not None:
+                    p.add_rows.append(row + pos - start)
+                    p.add_values.append(add)
+                rope = seq.rope_position(pos)
+                if isinstance(rope, torch.Tensor):
+                    p.rope_explicit.append((row + pos - start, rope))
+            p.rope += range(start + seq.rope_delta, end + seq.rope_delta)
             table = seq.block_table
             known = seq.token_ids[start:end]
             p.ids += known + [0] * (n - len(known))  # a token still on the device: filled in there
@@ -180,22 +192,39 @@ class ModelRunner:
     def execute(self, batch: list[tuple[Sequence, int]], output_layers: tuple[int, ...] = ()) -> StepResult:
         p = self._pack(batch)
         decode_only = len(p.ids) == len(batch)
-        if self.graphs and decode_only and not output_layers and not p.embed_rows and len(batch) <= self.max_num_seqs:
+        plain_inputs = not (p.embed_rows or p.add_rows or p.rope_explicit)
+        if self.graphs and decode_only and plain_inputs and not output_layers and len(batch) <= self.max_num_seqs:
             logits, argmax = self._replay(p)
             if len(p.sample_rows) != len(batch):
                 rows = self._tensor(p.sample_rows)
                 logits, argmax = logits[rows], argmax[rows]
             return StepResult(p.sample_rows, logits if p.sample_rows else None, {}, p.row_spans, argmax)
-        meta = self._metadata(p)
         token_ids = self._tensor(p.ids)
-        embeds = None
-        if p.embed_rows:
-            embeds = self.model.embed(token_ids)
-            values = torch.stack(p.embed_values).to(device=self.device, dtype=embeds.dtype)
-            embeds.index_copy_(0, self._tensor(p.embed_rows), values)
-        hidden, layers = self.model.forward(token_ids, self._tensor(p.positions), meta, embeds, output_layers)
+        embeds = self._input_embeds(p, token_ids)
+        hidden, layers = self.model.forward(token_ids, self._rope(p), self._metadata(p), embeds, output_layers)
         logits = self.model.compute_logits(hidden[self._tensor(p.last_rows)]) if p.last_rows else None
         return StepResult(p.sample_rows, logits, layers, p.row_spans)
+
+    def _input_embeds(self, p: _Packed, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """Token embeddings with per-position replacements and additions, or None if there are none."""
+        if not (p.embed_rows or p.add_rows):
+            return None
+        embeds = self.model.embed(token_ids)
+        for rows, values, op in ((p.embed_rows, p.embed_values, embeds.index_copy_),
+                                 (p.add_rows, p.add_values, embeds.index_add_)):
+            if rows:
+                op(0, self._tensor(rows), torch.stack(values).to(device=self.device, dtype=embeds.dtype))
+        return embeds
+
+    def _rope(self, p: _Packed) -> torch.Tensor:
+        """Rotary positions: [T], or [axes, T] when some token has explicit multi-axis positions."""
+        rope = self._tensor(p.rope)
+        if not p.rope_explicit:
+            return rope
+        rows, values = zip(*p.rope_explicit, strict=True)
+        multi = rope.expand(values[0].shape[0], -1).clone()
+        multi[:, self._tensor(list(rows))] = torch.stack(values, dim=1).to(device=self.device, dtype=multi.dtype)
+        return multi
 
     @torch.inference_mode()
     def launch_decode(self, seqs: list[Sequence], previous: DecodeLaunch | None = None) -> DecodeLaunch:
@@ -209,7 +238,7 @@ class ModelRunner:
         else:
             ids = self._tensor(p.ids)
             self._take_previous(ids, previous, pending)
-            hidden, _ = self.model.forward(ids, self._tensor(p.positions), self._metadata(p))
+            hidden, _ = self.model.forward(ids, self._rope(p), self._metadata(p))
             argmax = self.model.compute_logits(hidden).argmax(dim=-1)
         launch = DecodeLaunch(seqs, argmax)
         if self.device.type == "cuda":
@@ -297,7 +326,7 @@ class ModelRunner:
         self._host_long = self._host_long_pair[self._input_slot]
         self._host_tables = self._host_tables_pair[self._input_slot]
         host = self._host_long.numpy()
-        host[0, :n], host[1, :n], host[2, :n], host[3, :n] = p.ids, p.positions, p.slots, p.seq_lens
+        host[0, :n], host[1, :n], host[2, :n], host[3, :n] = p.ids, p.rope, p.slots, p.seq_lens
         width = max(len(t) for t in p.tables)
         self._host_tables[:n, :width] = torch.from_numpy(self._block_table_array(p.tables, n, width))
         self._fill_padding(n, size)

@@ -96,7 +96,7 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """`argmax`: the logits' argmax if already computed (inside a CUDA graph); used as is
         when every row is plain greedy."""
-        if argmax is not None and all(_plain_greedy(r) for r in rows):
+        if argmax is not None and all(r.params.plain_greedy and not r.banned_ids for r in rows):
             return argmax.tolist(), [None] * len(rows)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
@@ -141,12 +141,6 @@ class Sampler:
                 top=list(zip(top_ids.tolist(), top_values.tolist(), strict=True)),
             )
         return out
-
-
-def _plain_greedy(row: SampleRow) -> bool:
-    p = row.params
-    return (p.greedy and p.logprobs is None and not row.banned_ids and p.repetition_penalty == 1.0
-            and not p.frequency_penalty and not p.presence_penalty)
 
 
 def _as_unit_temperature(row: SampleRow) -> SampleRow:

@@ -33,6 +33,11 @@ class Sequence:
     arrival: int  # engine-local order, for FCFS and preemption choice
     embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> replacement embedding
     input_final: bool = True
+    rope_positions: torch.Tensor | None = None  # [axes, n] rotary positions of the first n tokens
+    rope_delta: int = 0  # rotary position of later tokens: index + delta
+    embed_adds: list[torch.Tensor] | None = None  # added to generated positions' embeddings, in order
+    embed_add_default: torch.Tensor | None = None
+    adds_final: bool = True  # no more `embed_adds` rows will arrive
     num_prompt_tokens: int = 0
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served from the prefix cache on first schedule
@@ -60,7 +65,27 @@ class Sequence:
 
     @property
     def num_new_tokens(self) -> int:
-        return self.num_tokens - self.num_computed
+        """Tokens that can be computed now; a decode whose added embedding has not arrived waits."""
+        limit = self.num_tokens
+        if self.embed_adds is not None and not self.adds_final:
+            limit = min(limit, self.num_prompt_tokens + len(self.embed_adds))
+        return max(0, limit - self.num_computed)
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether its K/V depend on the token ids alone (so blocks may be shared by prefix)."""
+        return not self.embeds and self.rope_positions is None and not self.rope_delta and self.embed_adds is None
+
+    def embed_add(self, pos: int) -> torch.Tensor | None:
+        if self.embed_adds is None or pos < self.num_prompt_tokens:
+            return None
+        i = pos - self.num_prompt_tokens
+        return self.embed_adds[i] if i < len(self.embed_adds) else self.embed_add_default
+
+    def rope_position(self, pos: int) -> int | torch.Tensor:
+        if self.rope_positions is not None and pos < self.rope_positions.shape[1]:
+            return self.rope_positions[:, pos]
+        return pos + self.rope_delta
 
     @property
     def in_prefill(self) -> bool:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from omnistage.engine.ar.attention import AttentionMetadata, paged_attention
+from omnistage.families.hf import hf_position_ids
 from omnistage.kernels.fused import add_rmsnorm, apply_rotary, silu_mul
 
 
@@ -77,7 +78,7 @@ class FusedDecoder:
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """hidden: [T, H] input embeddings -> final (normed) hidden states [T, H]."""
-        cos, sin = self.decoder.rotary_emb(hidden[None], positions[None])
+        cos, sin = self.decoder.rotary_emb(hidden[None], hf_position_ids(positions))
         cos, sin = cos[0], sin[0]
         num_tokens = hidden.shape[0]
         residual = None
