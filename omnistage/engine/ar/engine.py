@@ -78,7 +78,6 @@ class AREngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched, config.enable_chunked_prefill)
         self.sampler = Sampler(config.seed)
         self.seqs: dict[str, Sequence] = {}
-        self.hidden_wanted: dict[str, bool] = {}
         self.in_flight: DecodeLaunch | None = None  # a greedy decode step whose tokens are unread
         self.num_overlapped_steps = 0
         self._arrivals = 0
@@ -114,6 +113,7 @@ class AREngine:
             max_tokens=max_tokens,
             arrival=self._arrivals,
             input_final=inp.final,
+            return_hidden=inp.return_hidden_states,
         )
         self._arrivals += 1
         if inp.embed_adds is not None or inp.embed_add_default is not None:
@@ -127,7 +127,6 @@ class AREngine:
                 self.tokenizer, seq.token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output,
             )
-        self.hidden_wanted[seq.request_id] = inp.return_hidden_states
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -167,7 +166,6 @@ class AREngine:
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
-        self.hidden_wanted.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
 
@@ -203,7 +201,7 @@ class AREngine:
         if self.config.overlap_decode and all(n == 1 and self._overlappable(s) for s, n in batch):
             return self._start_decode([s for s, _ in batch])
         layers = tuple(sorted(set(self.config.hidden_state_layers.values())))
-        want_hidden = layers and any(self.hidden_wanted.get(s.request_id) for s, _ in batch)
+        want_hidden = layers and any(s.return_hidden for s, _ in batch)
         try:
             result = self.runner.execute(batch, layers if want_hidden else ())
             rows = [self._sample_row(batch[i][0]) for i in result.sample_rows]
@@ -219,7 +217,7 @@ class AREngine:
         outputs = []
         for i, (seq, _) in enumerate(batch):
             out = StageOutput(request_id=seq.request_id, stage=self.name)
-            if want_hidden and self.hidden_wanted.get(seq.request_id):
+            if want_hidden and seq.return_hidden:
                 self._collect_hidden(seq, out, result.hidden, result.row_spans[i])
             if i in sampled:
                 self._append_token(seq, out, *sampled[i])
@@ -248,7 +246,7 @@ class AREngine:
             and seq.num_output_tokens >= seq.params.min_tokens
             and seq.embed_adds is None
             and seq.num_computed not in seq.embeds
-            and not self.hidden_wanted.get(seq.request_id)
+            and not seq.return_hidden
         )
 
     def _start_decode(self, seqs: list[Sequence]) -> list[StageOutput]:

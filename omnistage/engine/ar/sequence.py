@@ -33,6 +33,7 @@ class Sequence:
     arrival: int  # engine-local order, for FCFS and preemption choice
     embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> replacement embedding
     input_final: bool = True
+    return_hidden: bool = False  # output the engine's configured hidden-state layers for its tokens
     rope_positions: torch.Tensor | None = None  # [axes, n] rotary positions of the first n tokens
     rope_delta: int = 0  # rotary position of later tokens: index + delta
     embed_adds: list[torch.Tensor] | None = None  # added to generated positions' embeddings, in order
