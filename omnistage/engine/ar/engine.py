@@ -104,6 +104,7 @@ class AREngine:
         return params
 
     def add_request(self, inp: StageInput) -> None:
+        inp = self._prepare(inp, first=True)
         params = self.validate(inp)
         max_tokens = params.max_tokens or self.config.max_model_len - len(inp.token_ids)
         seq = Sequence(
@@ -135,6 +136,7 @@ class AREngine:
         seq = self.seqs.get(request_id)
         if seq is None:
             return  # aborted meanwhile
+        chunk = self._prepare(chunk, first=False)
         start = seq.num_tokens
         if chunk.token_ids:
             seq.token_ids += chunk.token_ids
@@ -144,13 +146,15 @@ class AREngine:
             seq.input_final = chunk.final
         self._take_input(seq, chunk, start)
 
+    def _prepare(self, inp: StageInput, first: bool) -> StageInput:
+        """Let the model complete its own inputs (run media encoders, compute rotary positions, compose
+        embeddings from its own tables) on this stage's worker, never in the orchestrator."""
+        prepare = getattr(self.runner.model, "prepare_input", None)
+        return prepare(inp, first) if prepare is not None else inp
+
     def _take_input(self, seq: Sequence, inp: StageInput, start: int) -> None:
         """Per-position extras of an input (or chunk) whose first token sits at `start`."""
-        embeds = dict(enumerate(inp.embeds)) if inp.embeds is not None else {}
-        encode = getattr(self.runner.model, "multimodal_embeds", None)
-        if encode is not None:  # e.g. audio / image encoders filling placeholder tokens
-            embeds.update(encode(inp))
-        for i, row in embeds.items():
+        for i, row in enumerate(inp.embeds if inp.embeds is not None else ()):
             seq.embeds[start + i] = row
         if inp.rope_positions is not None:
             old = seq.rope_positions

@@ -35,3 +35,7 @@ class ARModel(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
         ...
+
+    # Optional: `prepare_input(inp: StageInput, first: bool) -> StageInput` completes a request's input
+    # (or a later chunk of it) before the engine takes it: media encoders, rotary positions, embeddings
+    # composed from the model's own tables. It runs on the stage's worker.
