@@ -153,22 +153,32 @@ def hf_position_ids(positions: torch.Tensor) -> torch.Tensor:
 
 
 class HFCausalLM:
-    """An HF causal LM seen through the AR engine's ARModel interface. A family may pass a
-    `fast_forward` (embeddings, positions, metadata -> final hidden states) for steps that need no
-    intermediate hidden states."""
+    """An HF causal LM seen through the AR engine's ARModel interface.
+
+    A family may pass a `fast_forward` (embeddings, positions, metadata -> final hidden states) for
+    steps that need no intermediate hidden states, and for composite models (an omni thinker or
+    talker) the decoder and head to run, plus an `input_proj` applied to input embeddings first.
+    """
 
     def __init__(
         self,
         model: nn.Module,
         config: PretrainedConfig,
         fast_forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] | None = None,
+        *,
+        decoder: nn.Module | None = None,
+        lm_head: nn.Module | None = None,
+        input_proj: nn.Module | None = None,
+        plain_loop: bool | None = None,
     ):
         self.model = model
-        self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
+        self.decoder = decoder if decoder is not None else model.get_decoder()
+        self.lm_head = lm_head if lm_head is not None else model.get_output_embeddings()
+        self.input_proj = input_proj
         self.fast_forward = fast_forward
-        self.graph_safe = fast_forward is not None or config.get_text_config().model_type in _PLAIN_DECODERS
         text = config.get_text_config()
+        self.plain_loop = plain_loop if plain_loop is not None else text.model_type in _PLAIN_DECODERS
+        self.graph_safe = fast_forward is not None or self.plain_loop
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         param = next(model.parameters())
@@ -179,7 +189,11 @@ class HFCausalLM:
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(token_ids)
+        return self.decoder.embed_tokens(token_ids)
+
+    def _inputs(self, token_ids: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
+        hidden = embeds if embeds is not None else self.embed(token_ids)
+        return self.input_proj(hidden) if self.input_proj is not None else hidden
 
     def forward(
         self,
@@ -189,14 +203,13 @@ class HFCausalLM:
         embeds: torch.Tensor | None = None,
         output_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        hidden = self._inputs(token_ids, embeds)
         if self.fast_forward is not None and not output_layers:
-            hidden = embeds if embeds is not None else self.embed(token_ids)
             return self.fast_forward(hidden, positions, attn), {}
-        if self.graph_safe:
-            return self._plain_forward(token_ids, positions, attn, embeds, output_layers)
-        inputs = {"inputs_embeds": embeds[None]} if embeds is not None else {"input_ids": token_ids[None]}
+        if self.plain_loop:
+            return self._plain_forward(hidden, positions, attn, output_layers)
         out = self.decoder(
-            **inputs,
+            inputs_embeds=hidden[None],
             position_ids=hf_position_ids(positions),
             use_cache=False,
             output_hidden_states=bool(output_layers),
@@ -206,17 +219,12 @@ class HFCausalLM:
         return out.last_hidden_state[0], layers
 
     def _plain_forward(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        embeds: torch.Tensor | None,
-        output_layers: tuple[int, ...],
+        self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, output_layers: tuple[int, ...]
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Same numbers as the decoder's own forward (hidden-state indices as in transformers:
         0 = embeddings, i = output of layer i, the last one after the final norm)."""
         d = self.decoder
-        hidden = (embeds if embeds is not None else d.embed_tokens(token_ids))[None]
+        hidden = hidden[None]
         position_ids = hf_position_ids(positions)
         rotary = d.rotary_emb(hidden, position_ids)
         layers: dict[int, torch.Tensor] = {0: hidden[0]} if 0 in output_layers else {}
