@@ -1,31 +1,23 @@
 """OpenAI-compatible HTTP server over AsyncOmni.
 
-Handlers stay thin: validate (protocol.py), turn the request into OmniRequests, read the engine's delta
-outputs, render them. The server never tokenizes and knows nothing of a particular model; the one thing it
-borrows from the engine is `engine.tokenizer` (entry-stage HF tokenizer or None), to spell token ids in
-logprobs. Every failure becomes an OpenAI error body, and a client that leaves aborts its generations.
+Route handlers stay thin: FastAPI validates the body (protocol.py), serving.py turns it into generations
+and renders their deltas, and this module does the HTTP: errors as OpenAI error bodies, the API key, SSE
+framing, and aborting the generations of a client that leaves.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
-import inspect
-import io
 import logging
-import re
 import socket
 import threading
 import time
 import uuid
-import wave
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-import torch
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,48 +26,48 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from omnistage.engine.types import TokenLogprob
 from omnistage.entrypoints.openai.metrics import router as metrics_router
 from omnistage.entrypoints.openai.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatDelta,
-    ChoiceLogprobs,
-    Completion,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    DeltaAudio,
     ErrorResponse,
-    MessageAudio,
     ModelCard,
     ModelList,
-    TokenLogprobEntry,
-    TopLogprob,
-    Usage,
-    seeded_copies,
 )
-from omnistage.errors import OmniError, RequestError, StageError
+from omnistage.entrypoints.openai.serving import (
+    Fanout,
+    TokenTexts,
+    chat_chunks,
+    chat_logprobs,
+    chat_requests,
+    check_model,
+    collect,
+    completion_chunks,
+    completion_logprobs,
+    completion_requests,
+    render_chat,
+    render_completion,
+)
+from omnistage.errors import OmniError
 from omnistage.runtime.messages import OmniOutput, OmniRequest
 
 if TYPE_CHECKING:
     from omnistage.entrypoints.async_omni import AsyncOmni
 
+__all__ = [
+    "BackgroundServer",
+    "build_app",
+    "run_server",
+    "validation_message",
+    # re-exported from serving.py for existing importers
+    "TokenTexts",
+    "chat_logprobs",
+    "completion_logprobs",
+]
+
 log = logging.getLogger("omnistage.server")
 T = TypeVar("T")
-
-
-class ModelNotFound(RequestError):
-    status = 404
-    code = "model_not_found"
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was ready."""
+Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
 
 
 # ---------------------------------------------------------------- errors
@@ -135,7 +127,8 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
     kept = [(p, m) for p, m in items if not any(_is_under(q, p) for q, _ in items)]
     unique = list(dict.fromkeys(m for _, m in kept))
     message = "; ".join(unique[:3]) + ("; ..." if len(unique) > 3 else "")
-    return message or "invalid request", (kept[0][0] or None) if kept else None
+    param = (kept[0][0] or None) if kept else None
+    return message or "invalid request", param
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -166,6 +159,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal server error ({type(exc).__name__}: {exc})", "internal_error")
 
 
+# ---------------------------------------------------------------- auth
+
+
 class BearerAuth:
     """Pure ASGI guard for /v1/*: plain ASGI, so streaming and disconnect detection are untouched."""
 
@@ -184,192 +180,11 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-# ---------------------------------------------------------------- token spelling for logprobs
+# ---------------------------------------------------------------- client disconnects
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-level alphabet: printable Latin-1 bytes stand for themselves and the
-    other bytes were moved, in order, to code points from 256 up."""
-    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {chr(b): b for b in keep}
-    moved = [b for b in range(256) if b not in set(keep)]
-    table.update({chr(256 + i): b for i, b in enumerate(moved)})
-    return table
-
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-class TokenTexts:
-    """token id -> (text, utf-8 bytes), cached. Bytes are exact for byte-level BPE and byte-fallback
-    tokens, so a client can rebuild characters split across tokens."""
-
-    def __init__(self, tokenizer: Any | None) -> None:
-        self.tokenizer = tokenizer
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self.alphabet = _byte_level_alphabet() if "ByteLevel" in repr(decoder) else None
-        self.cache: dict[int, tuple[str, list[int] | None]] = {}
-
-    def __call__(self, token_id: int) -> tuple[str, list[int] | None]:
-        if token_id not in self.cache:
-            self.cache[token_id] = self._spell(token_id)
-        return self.cache[token_id]
-
-    def _spell(self, token_id: int) -> tuple[str, list[int] | None]:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}", None
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if piece is None:
-            text = self.tokenizer.decode([token_id])
-            return text, list(text.encode())
-        if self.alphabet is not None and all(c in self.alphabet for c in piece):
-            raw = bytes(self.alphabet[c] for c in piece)
-        elif match := _BYTE_TOKEN.fullmatch(piece):
-            raw = bytes([int(match.group(1), 16)])
-        else:
-            raw = piece.replace("\u2581", " ").encode()
-        return raw.decode("utf-8", errors="replace"), list(raw)
-
-
-def _finite(logprob: float) -> float:
-    """JSON has no -inf; masked tokens get a very negative finite value instead."""
-    return max(float(logprob), -9999.0)
-
-
-def chat_logprobs(logprobs: list[TokenLogprob] | None, texts: TokenTexts) -> ChoiceLogprobs | None:
-    if logprobs is None:
-        return None
-
-    def top(token_id: int, logprob: float) -> TopLogprob:
-        text, raw = texts(token_id)
-        return TopLogprob(token=text, logprob=_finite(logprob), bytes=raw)
-
-    entries = [
-        TokenLogprobEntry(**top(lp.token_id, lp.logprob).model_dump(), top_logprobs=[top(t, p) for t, p in lp.top])
-        for lp in logprobs
-    ]
-    return ChoiceLogprobs(content=entries)
-
-
-def completion_logprobs(
-    logprobs: list[TokenLogprob] | None, texts: TokenTexts, offset: int
-) -> tuple[CompletionLogprobs | None, int]:
-    """Completions-format logprobs for a delta; `offset` is the choice's text length so far."""
-    if logprobs is None:
-        return None, offset
-    out = CompletionLogprobs()
-    for lp in logprobs:
-        text = texts(lp.token_id)[0]
-        out.tokens.append(text)
-        out.token_logprobs.append(_finite(lp.logprob))
-        out.top_logprobs.append({texts(t)[0]: _finite(p) for t, p in lp.top})
-        out.text_offset.append(offset)
-        offset += len(text)
-    return out, offset
-
-
-# ---------------------------------------------------------------- audio
-
-
-def _pcm16(samples: torch.Tensor) -> bytes:
-    """Mono float samples in [-1, 1] -> 16-bit little-endian PCM."""
-    return (samples.detach().float().clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy().tobytes()
-
-
-def _wav(samples: torch.Tensor, rate: int) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as f:
-        f.setnchannels(1)
-        f.setsampwidth(2)
-        f.setframerate(rate)
-        f.writeframes(_pcm16(samples))
-    return buf.getvalue()
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-# ---------------------------------------------------------------- running generations
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
-class Fanout:
-    """The generations behind one HTTP request (n choices x prompts): started together, read as one
-    merged stream of (choice index, delta), and always closed together, which aborts unfinished ones."""
-
-    def __init__(self, engine: AsyncOmni, requests: list[OmniRequest]) -> None:
-        self.engine, self.requests = engine, requests
-        self.gens: list[Any] = []
-        self.pending: dict[asyncio.Future, int] = {}
-        self.done: set[int] = set()
-        self.closed = False
-
-    def _pull(self, i: int) -> None:
-        self.pending[asyncio.ensure_future(anext(self.gens[i]))] = i
-
-    async def start(self) -> None:
-        """Wait for every generation's first delta, so validation errors (RequestError) and early stage
-        failures surface as HTTP errors before any byte of the response is sent."""
-        try:
-            for i, req in enumerate(self.requests):
-                self.gens.append(await _maybe_await(self.engine.generate(req)))
-                self._pull(i)
-            await asyncio.wait(list(self.pending))
-            for task in self.pending:
-                exc = task.exception()
-                if exc is not None and not isinstance(exc, StopAsyncIteration):
-                    raise exc
-                out = None if exc is not None else task.result()
-                if out is not None and out.error:
-                    raise StageError(out.error, status=out.error_status)
-        except BaseException:
-            await self.aclose()
-            raise
-
-    async def events(self) -> AsyncIterator[tuple[int, OmniOutput]]:
-        try:
-            while self.pending:
-                ready, _ = await asyncio.wait(list(self.pending), return_when=asyncio.FIRST_COMPLETED)
-                for task in sorted(ready, key=self.pending.__getitem__):
-                    i = self.pending.pop(task)
-                    try:
-                        out: OmniOutput = task.result()
-                    except StopAsyncIteration:
-                        self.done.add(i)
-                        continue
-                    if out.finished:
-                        self.done.add(i)
-                    else:
-                        self._pull(i)
-                    yield i, out
-        finally:
-            await self.aclose()
-
-    async def aclose(self) -> None:
-        """Idempotent; shielded so it completes even inside a cancelled (disconnected) request."""
-        if self.closed:
-            return
-        self.closed = True
-        with anyio.CancelScope(shield=True):
-            for task in self.pending:
-                task.cancel()
-            await asyncio.gather(*self.pending, return_exceptions=True)
-            self.pending.clear()
-            for gen in self.gens:
-                try:
-                    await gen.aclose()
-                except Exception:
-                    log.debug("closing a generation failed", exc_info=True)
-            for i, req in enumerate(self.requests):
-                if i not in self.done and i < len(self.gens):
-                    try:
-                        await _maybe_await(self.engine.abort(req.request_id))
-                    except Exception:
-                        log.debug("abort(%s) failed", req.request_id, exc_info=True)
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -392,48 +207,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(task, watch, return_exceptions=True)
 
 
-async def collect(fan: Fanout) -> list[OmniOutput]:
-    merged = [OmniOutput(request_id=r.request_id) for r in fan.requests]
-    async for i, out in fan.events():
-        merged[i].merge(out)
-    return merged
-
-
-def _raise_failed(outputs: list[OmniOutput]) -> None:
-    for out in outputs:
-        if out.error:
-            raise StageError(out.error, status=out.error_status)
-
-
-@dataclass
-class Counts:
-    """Cumulative usage counters of one choice, updated from its deltas."""
-
-    prompt: int = 0
-    cached: int = 0
-    output: int = 0
-
-    def update(self, out: OmniOutput) -> None:
-        self.prompt = out.num_prompt_tokens or self.prompt
-        self.cached = out.num_cached_tokens or self.cached
-        self.output = out.num_output_tokens or self.output
-
-
-def usage_of(counts: Sequence[Counts], group: int) -> Usage:
-    """Choices come in groups of `group` sharing one prompt (n fan-out): each prompt counts once."""
-    firsts = counts[::group]
-    return Usage.of(sum(c.prompt for c in firsts), sum(c.output for c in counts), sum(c.cached for c in firsts))
-
-
-def _counts(outputs: Sequence[OmniOutput]) -> list[Counts]:
-    counts = [Counts() for _ in outputs]
-    for c, out in zip(counts, outputs, strict=True):
-        c.update(out)
-    return counts
-
-
-def _sse(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
+# ---------------------------------------------------------------- server-sent events
 
 
 def _sse_error(exc: Exception) -> str:
@@ -444,207 +218,31 @@ def _sse_error(exc: Exception) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
 class EventStream(StreamingResponse):
-    """SSE response that closes its generations however it ends, even if the client leaves before
-    the body is first iterated (then the body generator's own cleanup would never run)."""
+    """SSE response over a Fanout's chunks. Errors after the first byte go in-band as an OpenAI error
+    event, the stream always ends with [DONE], and the generations are closed however it ends, even if
+    the client leaves before the body is first iterated (then the body's own cleanup would never run)."""
 
-    def __init__(self, events: AsyncIterator[str], fan: Fanout) -> None:
-        super().__init__(_sse_body(events, fan), media_type="text/event-stream", headers=_SSE_HEADERS)
+    def __init__(self, chunks: AsyncIterator[BaseModel], fan: Fanout) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(self._body(chunks), media_type="text/event-stream", headers=headers)
         self.fan = fan
+
+    async def _body(self, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except Exception as exc:  # headers already sent
+            yield _sse_error(exc)
+        finally:
+            await self.fan.aclose()
+        yield "data: [DONE]\n\n"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.fan.aclose()
-
-
-async def _sse_body(events: AsyncIterator[str], fan: Fanout) -> AsyncIterator[str]:
-    """Errors after the first byte go in-band as an OpenAI error event; the stream always ends [DONE]."""
-    try:
-        async for event in events:
-            yield event
-    except Exception as exc:  # headers already sent
-        yield _sse_error(exc)
-    finally:
-        await fan.aclose()
-    yield "data: [DONE]\n\n"
-
-
-# ---------------------------------------------------------------- request -> OmniRequests
-
-
-def _engine(request: Request) -> AsyncOmni:
-    return request.app.state.engine
-
-
-def _texts(request: Request) -> TokenTexts:
-    return request.app.state.token_texts
-
-
-def check_model(engine: AsyncOmni, model: str | None) -> str:
-    served = engine.served_model_name
-    if model is not None and model != served:
-        raise ModelNotFound(f"model '{model}' does not exist; this server serves '{served}'", param="model")
-    return served
-
-
-def _modalities(engine: AsyncOmni, requested: list[str] | None) -> tuple[str, ...]:
-    available = tuple(engine.output_modalities)
-    if not requested:
-        return ("text",) if "text" in available else available
-    missing = [m for m in requested if m not in available]
-    if missing:
-        raise RequestError(
-            f"modalities {missing} are not available: this model produces {list(available)}",
-            param="modalities",
-        )
-    return tuple(dict.fromkeys(requested))
-
-
-def _ids(base: str, count: int) -> list[str]:
-    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
-
-
-def chat_requests(engine: AsyncOmni, body: ChatCompletionRequest, rid: str) -> list[OmniRequest]:
-    params = body.to_sampling_params(engine.default_sampling_params())
-    modalities = _modalities(engine, body.modalities)
-    options = {"voice": body.audio.voice, "audio_format": body.audio.format} if body.audio else {}
-    return [
-        OmniRequest(
-            request_id=req_id,
-            messages=body.message_dicts(),
-            output_modalities=modalities,
-            stage_params={"*": p},
-            options=dict(options),
-        )
-        for req_id, p in zip(_ids(rid, body.n), seeded_copies(params, body.n), strict=True)
-    ]
-
-
-def completion_requests(engine: AsyncOmni, body: CompletionRequest, rid: str) -> list[OmniRequest]:
-    params = body.to_sampling_params(engine.default_sampling_params())
-    _modalities(engine, ["text"])
-    inputs = body.prompt_inputs()
-    ids = _ids(rid, len(inputs) * body.n)
-    per_choice = seeded_copies(params, body.n)
-    return [
-        OmniRequest(request_id=ids[k * body.n + j], stage_params={"*": per_choice[j]}, **inp)
-        for k, inp in enumerate(inputs)
-        for j in range(body.n)
-    ]
-
-
-# ---------------------------------------------------------------- rendering
-
-
-def _message_audio(out: OmniOutput, fmt: str) -> MessageAudio | None:
-    if out.audio is None or not out.sample_rate:
-        return None
-    data = _wav(out.audio, out.sample_rate) if fmt == "wav" else _pcm16(out.audio)
-    return MessageAudio(
-        id=f"audio-{uuid.uuid4().hex}",
-        data=_b64(data),
-        expires_at=int(time.time()) + 3600,
-        transcript=out.text,
-    )
-
-
-def render_chat(
-    body: ChatCompletionRequest, rid: str, model: str, outputs: list[OmniOutput], texts: TokenTexts
-) -> ChatCompletion:
-    fmt = body.audio.format if body.audio else "wav"
-    choices = [
-        ChatChoice(
-            index=i,
-            message=AssistantMessage(content=out.text, audio=_message_audio(out, fmt)),
-            logprobs=chat_logprobs(out.logprobs, texts) if body.logprobs else None,
-            finish_reason=out.finish_reason,
-            token_ids=out.token_ids if body.return_token_ids else None,
-        )
-        for i, out in enumerate(outputs)
-    ]
-    return ChatCompletion(id=rid, model=model, choices=choices, usage=usage_of(_counts(outputs), body.n))
-
-
-async def chat_events(
-    fan: Fanout, body: ChatCompletionRequest, rid: str, model: str, texts: TokenTexts
-) -> AsyncIterator[str]:
-    created = int(time.time())
-    counts = [Counts() for _ in fan.requests]
-    audio_ids = [f"audio-{uuid.uuid4().hex}" for _ in fan.requests]
-
-    def chunk(i: int, delta: ChatDelta, **kw: Any) -> str:
-        choice = ChatChunkChoice(index=i, delta=delta, **kw)
-        return _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
-
-    for i in range(len(fan.requests)):
-        yield chunk(i, ChatDelta(role="assistant", content=""))
-    async for i, out in fan.events():
-        if out.error:
-            raise StageError(out.error, status=out.error_status)
-        counts[i].update(out)
-        audio = None
-        if out.audio is not None and out.audio.numel():
-            audio = DeltaAudio(id=audio_ids[i], data=_b64(_pcm16(out.audio)))
-        if out.text or out.token_ids or audio or out.finished:
-            yield chunk(
-                i,
-                ChatDelta(content=out.text or None, audio=audio),
-                logprobs=chat_logprobs(out.logprobs, texts) if body.logprobs else None,
-                finish_reason=out.finish_reason if out.finished else None,
-                token_ids=out.token_ids if body.return_token_ids else None,
-            )
-    if body.include_usage:
-        yield _sse(
-            ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage_of(counts, body.n))
-        )
-
-
-def render_completion(
-    body: CompletionRequest, rid: str, model: str, outputs: list[OmniOutput], texts: TokenTexts
-) -> Completion:
-    choices = [
-        CompletionChoice(
-            index=i,
-            text=out.text,
-            logprobs=completion_logprobs(out.logprobs, texts, 0)[0] if body.logprobs is not None else None,
-            finish_reason=out.finish_reason,
-            token_ids=out.token_ids if body.return_token_ids else None,
-        )
-        for i, out in enumerate(outputs)
-    ]
-    return Completion(id=rid, model=model, choices=choices, usage=usage_of(_counts(outputs), body.n))
-
-
-async def completion_events(
-    fan: Fanout, body: CompletionRequest, rid: str, model: str, texts: TokenTexts
-) -> AsyncIterator[str]:
-    created = int(time.time())
-    counts = [Counts() for _ in fan.requests]
-    offsets = [0] * len(fan.requests)
-    async for i, out in fan.events():
-        if out.error:
-            raise StageError(out.error, status=out.error_status)
-        counts[i].update(out)
-        if not (out.text or out.token_ids or out.finished):
-            continue
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs, offsets[i] = completion_logprobs(out.logprobs, texts, offsets[i])
-        choice = CompletionChoice(
-            index=i,
-            text=out.text,
-            logprobs=logprobs,
-            finish_reason=out.finish_reason if out.finished else None,
-            token_ids=out.token_ids if body.return_token_ids else None,
-        )
-        yield _sse(Completion(id=rid, created=created, model=model, choices=[choice]))
-    if body.include_usage:
-        yield _sse(Completion(id=rid, created=created, model=model, choices=[], usage=usage_of(counts, body.n)))
 
 
 # ---------------------------------------------------------------- routes
@@ -654,7 +252,7 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    ready, detail = _engine(request).health()
+    ready, detail = request.app.state.engine.health()
     return JSONResponse(
         {"status": "ok" if ready else "unavailable", "detail": detail}, status_code=200 if ready else 503
     )
@@ -662,7 +260,7 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    engine = _engine(request)
+    engine = request.app.state.engine
     card = ModelCard(
         id=engine.served_model_name,
         max_model_len=engine.max_model_len,
@@ -671,56 +269,39 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[card])
 
 
-async def _respond(
+async def _complete(
     request: Request,
-    fan: Fanout,
-    stream: bool,
-    events: Callable[[], AsyncIterator[str]],
-    render: Callable[[list[OmniOutput]], BaseModel],
+    body: Body,
+    id_prefix: str,
+    to_requests: Callable[[AsyncOmni, Body, str], list[OmniRequest]],
+    chunks: Callable[[Fanout, Body, str, str, TokenTexts], AsyncIterator[BaseModel]],
+    render: Callable[[Body, str, str, list[OmniOutput], TokenTexts], BaseModel],
 ) -> Response:
-    """Shared tail of both endpoints: start, then stream or collect, aborting if the client leaves."""
+    """Both endpoints: start the generations, then stream or collect them, aborting if the client leaves."""
+    engine: AsyncOmni = request.app.state.engine
+    texts: TokenTexts = request.app.state.token_texts
+    model = check_model(engine, body.model)
+    rid = f"{id_prefix}-{uuid.uuid4().hex}"
+    fan = Fanout(engine, to_requests(engine, body, rid))
     try:
         await unless_disconnected(request, fan.start())
-        if stream:
-            return EventStream(events(), fan)
+        if body.stream:
+            return EventStream(chunks(fan, body, rid, model, texts), fan)
         outputs = await unless_disconnected(request, collect(fan))
     except ClientGone:
         log.info("client left; aborted %s", [r.request_id for r in fan.requests])
         return Response(status_code=499)
-    _raise_failed(outputs)
-    return JSONResponse(render(outputs).model_dump())
+    return JSONResponse(render(body, rid, model, outputs, texts).model_dump())
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    engine = _engine(request)
-    model = check_model(engine, body.model)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    fan = Fanout(engine, chat_requests(engine, body, rid))
-    texts = _texts(request)
-    return await _respond(
-        request,
-        fan,
-        body.stream,
-        lambda: chat_events(fan, body, rid, model, texts),
-        lambda outs: render_chat(body, rid, model, outs, texts),
-    )
+    return await _complete(request, body, "chatcmpl", chat_requests, chat_chunks, render_chat)
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    engine = _engine(request)
-    model = check_model(engine, body.model)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    fan = Fanout(engine, completion_requests(engine, body, rid))
-    texts = _texts(request)
-    return await _respond(
-        request,
-        fan,
-        body.stream,
-        lambda: completion_events(fan, body, rid, model, texts),
-        lambda outs: render_completion(body, rid, model, outs, texts),
-    )
+    return await _complete(request, body, "cmpl", completion_requests, completion_chunks, render_completion)
 
 
 def build_app(engine: AsyncOmni, api_key: str | None = None) -> FastAPI:

@@ -1,0 +1,457 @@
+"""Between the OpenAI wire format and the engine: a validated request becomes one OmniRequest per choice,
+those run together as a Fanout, and their deltas become a response or a stream of chunks.
+
+Nothing here knows HTTP or a particular model. The server never tokenizes; the one thing borrowed from the
+engine is `engine.tokenizer` (entry-stage HF tokenizer or None), to spell token ids in logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import itertools
+import logging
+import re
+import time
+import uuid
+import wave
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import torch
+from pydantic import BaseModel
+
+from omnistage.engine.types import TokenLogprob
+from omnistage.entrypoints.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    DeltaAudio,
+    MessageAudio,
+    TokenLogprobEntry,
+    TopLogprob,
+    Usage,
+    seeded_copies,
+)
+from omnistage.errors import RequestError, StageError
+from omnistage.runtime.messages import OmniOutput, OmniRequest
+from omnistage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from omnistage.entrypoints.async_omni import AsyncOmni
+
+log = logging.getLogger("omnistage.server")
+
+
+class ModelNotFound(RequestError):
+    status = 404
+    code = "model_not_found"
+
+
+# ---------------------------------------------------------------- request -> OmniRequests
+
+
+def check_model(engine: AsyncOmni, model: str | None) -> str:
+    served = engine.served_model_name
+    if model is not None and model != served:
+        raise ModelNotFound(f"model '{model}' does not exist; this server serves '{served}'", param="model")
+    return served
+
+
+def output_modalities(engine: AsyncOmni, requested: list[str] | None) -> tuple[str, ...]:
+    """The requested modalities, checked against the model's; by default text, if the model has it."""
+    available = tuple(engine.output_modalities)
+    if not requested:
+        return ("text",) if "text" in available else available
+    missing = [m for m in requested if m not in available]
+    if missing:
+        raise RequestError(
+            f"modalities {missing} are not available: this model produces {list(available)}",
+            param="modalities",
+        )
+    return tuple(dict.fromkeys(requested))
+
+
+def _choice_params(engine: AsyncOmni, body: ChatCompletionRequest | CompletionRequest) -> list[SamplingParams]:
+    return seeded_copies(body.to_sampling_params(engine.default_sampling_params()), body.n)
+
+
+def _fan_out(rid: str, inputs: list[dict[str, Any]], params: list[SamplingParams], **shared: Any) -> list[OmniRequest]:
+    """One OmniRequest per (input, choice), in the response's choice order; a lone one keeps `rid` as its id."""
+    pairs = list(itertools.product(inputs, params))
+    return [
+        OmniRequest(request_id=rid if len(pairs) == 1 else f"{rid}-{i}", stage_params={"*": p}, **inp, **shared)
+        for i, (inp, p) in enumerate(pairs)
+    ]
+
+
+def chat_requests(engine: AsyncOmni, body: ChatCompletionRequest, rid: str) -> list[OmniRequest]:
+    params = _choice_params(engine, body)
+    modalities = output_modalities(engine, body.modalities)
+    options = {"voice": body.audio.voice, "audio_format": body.audio.format} if body.audio else {}
+    return _fan_out(rid, [{"messages": body.message_dicts()}], params, output_modalities=modalities, options=options)
+
+
+def completion_requests(engine: AsyncOmni, body: CompletionRequest, rid: str) -> list[OmniRequest]:
+    params = _choice_params(engine, body)
+    output_modalities(engine, ["text"])  # completions answer in text: refuse a model that has none
+    return _fan_out(rid, body.prompt_inputs(), params)
+
+
+# ---------------------------------------------------------------- running generations
+
+
+def raise_if_failed(out: OmniOutput) -> None:
+    if out.error:
+        raise StageError(out.error, status=out.error_status)
+
+
+class Fanout:
+    """The generations behind one HTTP request (n choices x prompts): started together, read as one
+    merged stream of (choice index, delta), and always closed together, which aborts unfinished ones."""
+
+    def __init__(self, engine: AsyncOmni, requests: list[OmniRequest]) -> None:
+        self.engine, self.requests = engine, requests
+        self.gens: list[AsyncIterator[OmniOutput]] = []
+        self.pending: dict[asyncio.Future[OmniOutput], int] = {}  # next delta of each live generation
+        self.done: set[int] = set()
+        self.closed = False
+
+    def _pull(self, i: int) -> None:
+        self.pending[asyncio.ensure_future(anext(self.gens[i]))] = i
+
+    async def start(self) -> None:
+        """Wait for every generation's first delta, so validation errors (RequestError) and early stage
+        failures surface as HTTP errors before any byte of the response is sent."""
+        try:
+            for i, req in enumerate(self.requests):
+                self.gens.append(self.engine.generate(req))
+                self._pull(i)
+            await asyncio.wait(list(self.pending))
+            for task in self.pending:
+                exc = task.exception()
+                if exc is None:
+                    raise_if_failed(task.result())
+                elif not isinstance(exc, StopAsyncIteration):
+                    raise exc
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def events(self) -> AsyncIterator[tuple[int, OmniOutput]]:
+        """(choice index, delta) as they arrive, simultaneous ones in index order; closes the fan-out at the end."""
+        try:
+            while self.pending:
+                ready, _ = await asyncio.wait(list(self.pending), return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(ready, key=self.pending.__getitem__):
+                    i = self.pending.pop(task)
+                    try:
+                        out = task.result()
+                    except StopAsyncIteration:
+                        self.done.add(i)
+                        continue
+                    if out.finished:
+                        self.done.add(i)
+                    else:
+                        self._pull(i)
+                    yield i, out
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Idempotent; shielded so it completes even inside a cancelled (disconnected) request."""
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            for task in self.pending:
+                task.cancel()
+            await asyncio.gather(*self.pending, return_exceptions=True)
+            self.pending.clear()
+            for gen in self.gens:
+                try:
+                    await gen.aclose()
+                except Exception:
+                    log.debug("closing a generation failed", exc_info=True)
+            for i, req in enumerate(self.requests[: len(self.gens)]):
+                if i not in self.done:
+                    try:
+                        await self.engine.abort(req.request_id)
+                    except Exception:
+                        log.debug("abort(%s) failed", req.request_id, exc_info=True)
+
+
+async def collect(fan: Fanout) -> list[OmniOutput]:
+    """Each generation's deltas merged into one output; raises the first (by choice index) that failed."""
+    merged = [OmniOutput(request_id=r.request_id) for r in fan.requests]
+    async for i, out in fan.events():
+        merged[i].merge(out)
+    for out in merged:
+        raise_if_failed(out)
+    return merged
+
+
+# ---------------------------------------------------------------- token spelling for logprobs
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet: printable Latin-1 bytes stand for themselves and the
+    other bytes were moved, in order, to code points from 256 up."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in keep}
+    moved = [b for b in range(256) if b not in set(keep)]
+    table.update({chr(256 + i): b for i, b in enumerate(moved)})
+    return table
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+
+
+class TokenTexts:
+    """token id -> (text, utf-8 bytes), cached. Bytes are exact for byte-level BPE and byte-fallback
+    tokens, so a client can rebuild characters split across tokens."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.alphabet = _byte_level_alphabet() if "ByteLevel" in repr(decoder) else None
+        self.cache: dict[int, tuple[str, list[int] | None]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int] | None]:
+        if token_id not in self.cache:
+            self.cache[token_id] = self._spell(token_id)
+        return self.cache[token_id]
+
+    def _spell(self, token_id: int) -> tuple[str, list[int] | None]:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}", None
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            text = self.tokenizer.decode([token_id])
+            return text, list(text.encode())
+        if self.alphabet is not None and all(c in self.alphabet for c in piece):
+            raw = bytes(self.alphabet[c] for c in piece)
+        elif match := _BYTE_TOKEN.fullmatch(piece):
+            raw = bytes([int(match.group(1), 16)])
+        else:
+            raw = piece.replace("\u2581", " ").encode()  # SentencePiece's word-boundary mark
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf; masked tokens get a very negative finite value instead."""
+    return max(float(logprob), -9999.0)
+
+
+def _spelled(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
+    text, raw = texts(token_id)
+    return {"token": text, "logprob": _finite(logprob), "bytes": raw}
+
+
+def chat_logprobs(logprobs: list[TokenLogprob] | None, texts: TokenTexts) -> ChoiceLogprobs | None:
+    if logprobs is None:
+        return None
+    entries = [
+        TokenLogprobEntry(
+            **_spelled(texts, lp.token_id, lp.logprob),
+            top_logprobs=[TopLogprob(**_spelled(texts, t, p)) for t, p in lp.top],
+        )
+        for lp in logprobs
+    ]
+    return ChoiceLogprobs(content=entries)
+
+
+def completion_logprobs(
+    logprobs: list[TokenLogprob] | None, texts: TokenTexts, offset: int
+) -> tuple[CompletionLogprobs | None, int]:
+    """Completions-format logprobs for a delta; `offset` is the choice's text length so far."""
+    if logprobs is None:
+        return None, offset
+    out = CompletionLogprobs()
+    for lp in logprobs:
+        text = texts(lp.token_id)[0]
+        out.tokens.append(text)
+        out.token_logprobs.append(_finite(lp.logprob))
+        out.top_logprobs.append({texts(t)[0]: _finite(p) for t, p in lp.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out, offset
+
+
+# ---------------------------------------------------------------- audio
+
+
+def _pcm16(samples: torch.Tensor) -> bytes:
+    """Mono float samples in [-1, 1] -> 16-bit little-endian PCM."""
+    return (samples.detach().float().clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy().tobytes()
+
+
+def _wav(samples: torch.Tensor, rate: int) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(_pcm16(samples))
+    return buf.getvalue()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _audio_id() -> str:
+    return f"audio-{uuid.uuid4().hex}"
+
+
+def _message_audio(out: OmniOutput, fmt: str) -> MessageAudio | None:
+    if out.audio is None or not out.sample_rate:
+        return None
+    data = _wav(out.audio, out.sample_rate) if fmt == "wav" else _pcm16(out.audio)
+    return MessageAudio(id=_audio_id(), data=_b64(data), expires_at=int(time.time()) + 3600, transcript=out.text)
+
+
+# ---------------------------------------------------------------- usage
+
+
+@dataclass
+class Counts:
+    """A streamed choice's token counts so far (a delta reports 0 for a count it does not know)."""
+
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def update(self, out: OmniOutput) -> None:
+        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
+        self.num_output_tokens = out.num_output_tokens or self.num_output_tokens
+
+
+def usage_of(counts: Sequence[Counts | OmniOutput], group: int) -> Usage:
+    """Choices come in groups of `group` sharing one prompt (n fan-out): each prompt counts once."""
+    firsts = counts[::group]
+    return Usage.of(
+        prompt=sum(c.num_prompt_tokens for c in firsts),
+        completion=sum(c.num_output_tokens for c in counts),
+        cached=sum(c.num_cached_tokens for c in firsts),
+    )
+
+
+# ---------------------------------------------------------------- responses
+
+
+async def _chunks(
+    fan: Fanout,
+    body: ChatCompletionRequest | CompletionRequest,
+    chunk: Callable[..., BaseModel],
+    choice: Callable[[int, OmniOutput], BaseModel | None],
+) -> AsyncIterator[BaseModel]:
+    """The streaming loop of both endpoints: a chunk per delta worth sending (`choice` returns None for
+    the others), then the usage chunk if asked for. A failed generation raises."""
+    counts = [Counts() for _ in fan.requests]
+    async for i, out in fan.events():
+        raise_if_failed(out)
+        counts[i].update(out)
+        if (c := choice(i, out)) is not None:
+            yield chunk(choices=[c])
+    if body.include_usage:
+        yield chunk(choices=[], usage=usage_of(counts, body.n))
+
+
+def render_chat(
+    body: ChatCompletionRequest, rid: str, model: str, outputs: list[OmniOutput], texts: TokenTexts
+) -> ChatCompletion:
+    fmt = body.audio.format if body.audio else "wav"
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content=out.text, audio=_message_audio(out, fmt)),
+            logprobs=chat_logprobs(out.logprobs, texts) if body.logprobs else None,
+            finish_reason=out.finish_reason,
+            token_ids=out.token_ids if body.return_token_ids else None,
+        )
+        for i, out in enumerate(outputs)
+    ]
+    return ChatCompletion(id=rid, model=model, choices=choices, usage=usage_of(outputs, body.n))
+
+
+async def chat_chunks(
+    fan: Fanout, body: ChatCompletionRequest, rid: str, model: str, texts: TokenTexts
+) -> AsyncIterator[BaseModel]:
+    """Each choice opens with an assistant-role chunk; audio comes as base64 pcm16 pieces."""
+    chunk = partial(ChatCompletionChunk, id=rid, created=int(time.time()), model=model)
+    audio_ids = [_audio_id() for _ in fan.requests]
+
+    def choice(i: int, out: OmniOutput) -> ChatChunkChoice | None:
+        audio = None
+        if out.audio is not None and out.audio.numel():
+            audio = DeltaAudio(id=audio_ids[i], data=_b64(_pcm16(out.audio)))
+        if not (out.text or out.token_ids or audio or out.finished):
+            return None
+        return ChatChunkChoice(
+            index=i,
+            delta=ChatDelta(content=out.text or None, audio=audio),
+            logprobs=chat_logprobs(out.logprobs, texts) if body.logprobs else None,
+            finish_reason=out.finish_reason if out.finished else None,
+            token_ids=out.token_ids if body.return_token_ids else None,
+        )
+
+    for i in range(len(fan.requests)):
+        yield chunk(choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+    async for c in _chunks(fan, body, chunk, choice):
+        yield c
+
+
+def _completion_choice(
+    body: CompletionRequest, texts: TokenTexts, i: int, out: OmniOutput, offset: int = 0
+) -> tuple[CompletionChoice, int]:
+    """A whole choice or a streamed piece of one (the same shape); `offset` is the choice's text length
+    before `out`, and the length after it is returned for the next piece's logprobs."""
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs, offset = completion_logprobs(out.logprobs, texts, offset)
+    choice = CompletionChoice(
+        index=i,
+        text=out.text,
+        logprobs=logprobs,
+        finish_reason=out.finish_reason if out.finished else None,
+        token_ids=out.token_ids if body.return_token_ids else None,
+    )
+    return choice, offset
+
+
+def render_completion(
+    body: CompletionRequest, rid: str, model: str, outputs: list[OmniOutput], texts: TokenTexts
+) -> Completion:
+    choices = [_completion_choice(body, texts, i, out)[0] for i, out in enumerate(outputs)]
+    return Completion(id=rid, model=model, choices=choices, usage=usage_of(outputs, body.n))
+
+
+async def completion_chunks(
+    fan: Fanout, body: CompletionRequest, rid: str, model: str, texts: TokenTexts
+) -> AsyncIterator[BaseModel]:
+    chunk = partial(Completion, id=rid, created=int(time.time()), model=model)
+    offsets = [0] * len(fan.requests)
+
+    def choice(i: int, out: OmniOutput) -> CompletionChoice | None:
+        if not (out.text or out.token_ids or out.finished):
+            return None
+        piece, offsets[i] = _completion_choice(body, texts, i, out, offsets[i])
+        return piece
+
+    async for c in _chunks(fan, body, chunk, choice):
+        yield c
