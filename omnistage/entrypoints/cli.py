@@ -21,13 +21,9 @@ from omnistage.errors import ConfigError, OmniError
 
 EXIT_USAGE = 2
 
-# Shortcut flag -> deploy-config field, applied to every stage as `stages.*.<field>`.
-_STAGE_FLAGS = {
-    "max_model_len": "max_model_len",
-    "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "dtype": "dtype",
-}
+# `serve` shortcut flags, each the deploy-config field it sets on every stage (`stages.*.<field>`).
+_STAGE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype")
+_TINY_ARCHS = ["qwen2", "qwen3", "llama"]
 
 
 def _fail(exc: BaseException) -> int:
@@ -46,9 +42,9 @@ def _scalar(text: str) -> Any:
 
 def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
-    for flag, name in _STAGE_FLAGS.items():
-        if getattr(args, flag) is not None:
-            overrides[f"stages.*.{name}"] = getattr(args, flag)
+    for field in _STAGE_FLAGS:
+        if getattr(args, field) is not None:
+            overrides[f"stages.*.{field}"] = getattr(args, field)
     if args.enforce_eager:
         overrides["stages.*.enforce_eager"] = True
     for item in args.set or []:
@@ -119,10 +115,33 @@ def _wait_healthy(url: str, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def _demo(args: argparse.Namespace) -> int:
-    """End to end on a random-weight tiny model: real server, real OpenAI client, streamed answer."""
+def _stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> None:
+    """Print a streamed answer as it comes, then its token count, time to first token and rate."""
     from openai import OpenAI
 
+    client = OpenAI(base_url=f"{url}/v1", api_key="demo")
+    start, ttft, tokens = time.perf_counter(), None, 0
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                print(choice.delta.content, end="", flush=True)
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    total = time.perf_counter() - start
+    ttft_ms = f"{ttft * 1000:.1f} ms" if ttft is not None else "n/a"
+    print(f"\n[{tokens} tokens, TTFT {ttft_ms}, total {total * 1000:.1f} ms, {tokens / total:.1f} tok/s]")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """End to end on a random-weight tiny model: real server, real OpenAI client, streamed answer."""
     from omnistage.entrypoints.async_omni import AsyncOmni
     from omnistage.entrypoints.openai.server import BackgroundServer
     from omnistage.testing import tiny_checkpoint
@@ -138,26 +157,7 @@ def _demo(args: argparse.Namespace) -> int:
         with BackgroundServer(engine, port=args.port) as server:
             _wait_healthy(server.url)
             print(f"server up at {server.url}\n> {args.prompt}")
-            client = OpenAI(base_url=f"{server.url}/v1", api_key="demo")
-            start, ttft, tokens = time.perf_counter(), None, 0
-            stream = client.chat.completions.create(
-                model=engine.served_model_name,
-                messages=[{"role": "user", "content": args.prompt}],
-                max_tokens=args.max_tokens,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            for chunk in stream:
-                for choice in chunk.choices:
-                    if choice.delta.content:
-                        ttft = ttft if ttft is not None else time.perf_counter() - start
-                        print(choice.delta.content, end="", flush=True)
-                if chunk.usage:
-                    tokens = chunk.usage.completion_tokens
-            total = time.perf_counter() - start
-            ttft_ms = f"{ttft * 1000:.1f} ms" if ttft is not None else "n/a"
-            rate = tokens / total
-            print(f"\n[{tokens} tokens, TTFT {ttft_ms}, total {total * 1000:.1f} ms, {rate:.1f} tok/s]")
+            _stream_chat(server.url, engine.served_model_name, args.prompt, args.max_tokens)
     finally:
         engine.shutdown()
     return 0
@@ -205,11 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (tests, demos)")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"])
+    tiny.add_argument("--arch", default="qwen2", choices=_TINY_ARCHS)
     tiny.set_defaults(func=_make_tiny)
 
     demo = sub.add_parser("demo", help="serve a tiny model and chat with it through the OpenAI client")
-    demo.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"])
+    demo.add_argument("--arch", default="qwen2", choices=_TINY_ARCHS)
     demo.add_argument("--port", type=int, default=0, help="0: any free port")
     demo.add_argument("--prompt", default="Tell me about the river in the old town.")
     demo.add_argument("--max-tokens", type=int, default=32)

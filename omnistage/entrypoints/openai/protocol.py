@@ -23,6 +23,10 @@ def _optional(default: Any = None) -> Any:
     return Field(default, exclude_if=_omit_none)
 
 
+def _now() -> int:
+    return int(time.time())
+
+
 class _Strict(BaseModel):
     """Request models: no type coercion ("5" is not 5) and no unknown fields, like OpenAI itself."""
 
@@ -137,7 +141,8 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool = False  # extension: each choice also carries its generated token ids
 
-    @field_validator("n", "stream", "return_token_ids", mode="before")
+    # check_fields=False: `logprobs` is declared by the subclasses (a bool in chat, an int in completions).
+    @field_validator("n", "stream", "return_token_ids", "logprobs", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
         """Some clients send `null` for every unset field; treat it as "not sent"."""
@@ -198,11 +203,6 @@ class ChatCompletionRequest(_SamplingRequest):
     store: bool | None = None
     service_tier: str | None = None
 
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _null_logprobs(cls, value: Any) -> Any:
-        return False if value is None else value
-
     @field_validator("messages")
     @classmethod
     def _non_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
@@ -225,12 +225,12 @@ class ChatCompletionRequest(_SamplingRequest):
         return value
 
     @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
+    def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            if self.max_tokens != self.max_completion_tokens:
-                raise ValueError("max_tokens and max_completion_tokens disagree; send only one")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send only one")
         return self
 
     def _requested_max_tokens(self) -> int | None:
@@ -270,7 +270,9 @@ class CompletionRequest(_SamplingRequest):
             )
         if not value:
             raise ValueError("prompt must not be an empty list")
-        for row in value if isinstance(value[0], list) else [value] if isinstance(value[0], int) else []:
+        if isinstance(value[0], str):
+            return value
+        for row in value if isinstance(value[0], list) else [value]:
             if not row:
                 raise ValueError("a token-id prompt must not be empty")
             if min(row) < 0:
@@ -359,10 +361,6 @@ class ChatChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _optional()
-
-
-def _now() -> int:
-    return int(time.time())
 
 
 class ChatCompletion(BaseModel):
