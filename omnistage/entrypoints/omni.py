@@ -25,10 +25,13 @@ class Omni:
         self.tokenizer = self.pipeline.tokenizer
         self._ids = itertools.count()
 
-    def _request(self, prompt: Prompt, params: Params | None, modalities: tuple[str, ...]) -> OmniRequest:
+    def _request(
+        self, prompt: Prompt, params: Params | None, modalities: tuple[str, ...], options: dict[str, Any]
+    ) -> OmniRequest:
         rid = f"omni-{next(self._ids)}"
         stage_params = params if isinstance(params, dict) else {"*": params} if params is not None else {}
-        common = {"request_id": rid, "stage_params": stage_params, "output_modalities": modalities}
+        common = {"request_id": rid, "stage_params": stage_params, "output_modalities": modalities,
+                  "options": dict(options)}
         if isinstance(prompt, str):
             return OmniRequest(prompt=prompt, **common)
         if prompt and isinstance(prompt[0], dict):
@@ -40,14 +43,16 @@ class Omni:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: Params | Sequence[Params] | None = None,
         output_modalities: tuple[str, ...] = ("text",),
+        **options: Any,
     ) -> list[OmniOutput]:
-        """Run every prompt concurrently (they batch inside the engines); results in input order."""
+        """Run every prompt concurrently (they batch inside the engines); results in input order.
+        `options` go to the model family (e.g. `voice="Ethan"` for speech)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]  # one prompt: text, token ids or chat messages
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one each")
-        requests = [self._request(p, sp, output_modalities) for p, sp in zip(prompts, params, strict=True)]
+        requests = [self._request(p, sp, output_modalities, options) for p, sp in zip(prompts, params, strict=True)]
         done: queue.SimpleQueue[OmniOutput] = queue.SimpleQueue()
         results = {r.request_id: OmniOutput(r.request_id) for r in requests}
         submitted = []

@@ -17,8 +17,9 @@ from omnistage.families.base import CheckpointInfo, Family
 def _families() -> list[Family]:
     # Imported lazily so that importing the registry stays cheap; specific families first.
     from omnistage.families.causal_lm import CausalLMFamily
+    from omnistage.families.qwen2_5_omni import Qwen25OmniFamily
 
-    return [*_extra_families, *_plugin_families(), CausalLMFamily()]
+    return [*_extra_families, *_plugin_families(), Qwen25OmniFamily(), CausalLMFamily()]
 
 
 _extra_families: list[Family] = []

@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from omnistage.config.deploy import DeployConfig
+from omnistage.config.deploy import DeployConfig, StageConfig
 from omnistage.engine.ar.engine import AREngine, AREngineConfig
 from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
@@ -62,7 +62,20 @@ def build_ar_engine(
     device = hf.resolve_device(devices or cfg.devices)
     model, config = hf.load_causal_lm(pipeline.model_path, cfg.dtype, device)
     tokenizer = hf.load_tokenizer(pipeline.model_path)
-    ar_model = causal_lm_model(model, config)
+    eos = hf.eos_token_ids(pipeline.model_path, config, tokenizer)
+    return ar_engine(stage, cfg, causal_lm_model(model, config), config, tokenizer, eos, hidden_state_layers)
+
+
+def ar_engine(
+    stage: str,
+    cfg: StageConfig,
+    model: hf.HFCausalLM,
+    config: Any,
+    tokenizer: Any,
+    eos_token_ids: tuple[int, ...],
+    hidden_state_layers: dict[str, int] | None = None,
+) -> AREngine:
+    """An AR engine for a loaded model, sized and tuned by the stage's deploy config."""
     engine_cfg = AREngineConfig(
         max_model_len=context_length(config, cfg.max_model_len),
         num_kv_blocks=cfg.num_kv_blocks,
@@ -78,7 +91,7 @@ def build_ar_engine(
         hidden_state_layers=hidden_state_layers or {},
         default_params=cfg.sampling_params(),
     )
-    return AREngine(stage, ar_model, engine_cfg, tokenizer, hf.eos_token_ids(pipeline.model_path, config, tokenizer))
+    return AREngine(stage, model, engine_cfg, tokenizer, eos_token_ids)
 
 
 def causal_lm_model(model: Any, config: Any) -> hf.HFCausalLM:

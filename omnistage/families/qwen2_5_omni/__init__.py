@@ -1,0 +1,171 @@
+"""Qwen2.5-Omni: thinker (AR, text) -> talker (AR, codec codes) -> token2wav (generation, 24 kHz audio).
+
+Requests for text only never touch the talker or token2wav. See models.py for what flows on each edge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omnistage.config.deploy import DeployConfig
+from omnistage.engine.ar.engine import AREngine
+from omnistage.engine.generation.engine import GenerationEngine
+from omnistage.engine.types import StageInput, StageOutput
+from omnistage.errors import RequestError
+from omnistage.families import hf
+from omnistage.families.base import CheckpointInfo, Edge, StageSpec
+from omnistage.families.causal_lm import TextPipeline, ar_engine
+from omnistage.families.qwen2_5_omni import models
+from omnistage.runtime.messages import OmniOutput, OmniRequest
+from omnistage.sampling_params import SamplingParams
+
+# The system prompt the released model was trained to speak under.
+SPEECH_SYSTEM_PROMPT = (
+    "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving auditory "
+    "and visual inputs, as well as generating text and speech."
+)
+_MEDIA_TENSORS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid", "use_audio_in_video")
+
+
+class OmniPipeline(TextPipeline):
+    processor: Any = None
+    config: Any = None
+    voices: tuple[str, ...] = ()
+    voice_bos: dict[str, int] | None = None
+
+    # ---- the caller's request -> the thinker's input ------------------------------------------
+
+    def preprocess(self, request: OmniRequest) -> StageInput:
+        speech = "audio" in request.output_modalities
+        voice = request.options.get("voice") or (self.voices[0] if self.voices else None)
+        if speech and voice not in self.voices:
+            raise RequestError(f"unknown voice {voice!r}; this model has {list(self.voices)}", "audio.voice")
+        messages = list(request.messages or [{"role": "user", "content": request.prompt or ""}])
+        if speech and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": SPEECH_SYSTEM_PROMPT}]})
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        media = request.media
+        use_audio_in_video = bool(request.options.get("use_audio_in_video", False))
+        batch = self.processor(
+            text=[text], audio=media.get("audio") or None, images=media.get("image") or None,
+            videos=media.get("video") or None, return_tensors="pt", padding=False,
+            use_audio_in_video=use_audio_in_video,
+        )
+        tensors = {k: v[0] if k == "input_ids" else v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        ids = tensors.pop("input_ids").tolist()
+        tensors.pop("attention_mask", None)
+        tensors["use_audio_in_video"] = torch.tensor(use_audio_in_video)
+        inp = StageInput(request.request_id, ids, params=self.entry_params(request), tensors=tensors,
+                         return_hidden_states=speech)
+        request.options["thinker_input"] = inp  # the talker's handoff needs the prompt and media layout
+        request.options["voice"] = voice
+        return inp
+
+    # ---- stage engines ---------------------------------------------------------------------------
+
+    def build_engine(self, stage: str, device: str | None = None) -> AREngine | GenerationEngine:
+        from transformers import Qwen2_5OmniTalkerForConditionalGeneration, Qwen2_5OmniThinkerForConditionalGeneration
+
+        cfg = self.stage_config(stage)
+        dev = hf.resolve_device(device or cfg.devices)
+        if stage == "thinker":
+            thinker_cfg = self.config.thinker_config
+            dtype = hf.resolve_dtype(cfg.dtype, thinker_cfg.text_config, dev)
+            model = models.ThinkerLM(models.load_part(Qwen2_5OmniThinkerForConditionalGeneration, self.model_path,
+                                                      thinker_cfg, dtype, dev))
+            eos = hf.eos_token_ids(self.model_path, thinker_cfg.text_config, self.tokenizer)
+            return ar_engine(stage, cfg, model, thinker_cfg.text_config, self.tokenizer, eos,
+                             {"embed": 0, "last": model.num_layers})
+        if stage == "talker":
+            talker_cfg = self.config.talker_config
+            dtype = hf.resolve_dtype(cfg.dtype, talker_cfg, dev)
+            talker = models.load_part(Qwen2_5OmniTalkerForConditionalGeneration, self.model_path, talker_cfg,
+                                      dtype, dev)
+            text_ids = sorted({talker_cfg.tts_text_end_token_id, talker_cfg.tts_text_pad_token_id,
+                               *(int(v["bos_token"]) for v in models.load_voices(self.model_path).values())})
+            table = models.checkpoint_rows(self.model_path, "thinker.model.embed_tokens.weight", text_ids)
+            thinker = self.config.thinker_config
+            media_ids = [thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id]
+            model = models.TalkerLM(talker, dict(zip(text_ids, table, strict=True)), media_ids)
+            eos = (talker_cfg.tts_codec_pad_token_id, talker_cfg.tts_codec_end_token_id)
+            return ar_engine(stage, cfg, model, talker_cfg, None, eos)
+        if stage == "token2wav":
+            t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev)
+            return GenerationEngine(stage, models.Token2Wav(t2w, models.load_voices(self.model_path), dev),
+                                    cfg.max_num_seqs)
+        raise KeyError(stage)
+
+    def to_output(self, stage: str, out: StageOutput) -> OmniOutput:
+        if stage == "token2wav":
+            return OmniOutput(out.request_id, audio=out.tensors.get("audio"), sample_rate=models.SAMPLE_RATE)
+        return super().to_output(stage, out)
+
+    def talker_params(self, request: OmniRequest) -> SamplingParams:
+        cfg = self.config.talker_config
+        params = request.stage_params.get("talker") or self.stage_config("talker").sampling_params()
+        return params.with_overrides(bad_token_ids=sorted({*params.bad_token_ids, cfg.tts_codec_start_token_id}))
+
+
+def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:
+    """The thinker's reply, as states per token, becomes the talker's prompt (and later its added rows)."""
+    thinker_inp: StageInput = request.options["thinker_input"]
+    if not out.token_ids and not out.finished:
+        return None
+    cfg = pipeline.config.talker_config
+    voice = pipeline.voice_bos[request.options["voice"]]
+    tensors = {
+        "thinker_embed": out.hidden_states["embed"], "thinker_last": out.hidden_states["last"],
+        "prompt_ids": torch.tensor(thinker_inp.token_ids), "voice_bos": torch.tensor(voice),
+        "first_token": torch.tensor(out.token_ids[0]),
+        "text_eos": torch.tensor(cfg.tts_text_end_token_id), "text_pad": torch.tensor(cfg.tts_text_pad_token_id),
+        **{k: thinker_inp.tensors[k] for k in _MEDIA_TENSORS if k in thinker_inp.tensors},
+    }
+    if "feature_attention_mask" in thinker_inp.tensors:
+        tensors["audio_lengths"] = thinker_inp.tensors["feature_attention_mask"].sum(-1)
+    return StageInput(out.request_id, [], params=pipeline.talker_params(request), tensors=tensors, final=True)
+
+
+def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:
+    if not out.finished:
+        return None
+    cfg = pipeline.config.talker_config
+    stop = {cfg.tts_codec_pad_token_id, cfg.tts_codec_end_token_id}
+    codes = [c for c in out.token_ids if c not in stop]
+    return StageInput(out.request_id, codes, params={"voice": request.options["voice"],
+                                                     "seed": request.options.get("seed", 0)})
+
+
+class Qwen25OmniFamily:
+    name = "qwen2_5_omni"
+
+    def matches(self, info: CheckpointInfo) -> bool:
+        return "Qwen2_5OmniForConditionalGeneration" in info.architectures
+
+    def default_deploy(self, info: CheckpointInfo) -> dict[str, Any]:
+        return {}
+
+    def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> OmniPipeline:
+        from transformers import Qwen2_5OmniConfig, Qwen2_5OmniProcessor
+
+        names = ["thinker", "talker", "token2wav"]
+        deploy.check_stage_names(names)
+        stages = [StageSpec("thinker", "ar", ("text",)), StageSpec("talker", "ar"),
+                  StageSpec("token2wav", "generation", ("audio",))]
+        pipeline = OmniPipeline(info.path, deploy, stages)
+        pipeline.edges = [
+            Edge("thinker", "talker", lambda r, o: thinker_to_talker(pipeline, r, o)),
+            Edge("talker", "token2wav", lambda r, o: talker_to_token2wav(pipeline, r, o)),
+        ]
+        pipeline.config = Qwen2_5OmniConfig.from_pretrained(info.path)
+        pipeline.processor = Qwen2_5OmniProcessor.from_pretrained(info.path)
+        pipeline.tokenizer = pipeline.processor.tokenizer
+        voices = models.load_voices(info.path)
+        pipeline.voices = tuple(voices)
+        pipeline.voice_bos = {name: int(v["bos_token"]) for name, v in voices.items()}
+        text_cfg = pipeline.config.thinker_config.text_config
+        configured = deploy.stage("thinker").max_model_len
+        native = text_cfg.max_position_embeddings
+        pipeline.max_model_len = min(native, configured) if configured else native
+        return pipeline

@@ -1,0 +1,223 @@
+"""Qwen2.5-Omni's three models as omnistage stage models: thinker and talker for the AR engine,
+token2wav for the generation engine. Each stage loads only its own part of the checkpoint.
+
+How the parts connect (what transformers' `Qwen2_5OmniForConditionalGeneration.generate` does, which
+this reproduces stage by stage):
+
+- The thinker reads text with audio / image / video features scattered into the placeholder tokens'
+  embeddings, with 3-axis rotary positions (M-RoPE), and writes text. For speech it also hands on,
+  per token it computed, its input embedding (media rows zeroed) and its last hidden state.
+- The talker's prompt is, per thinker prompt token, hidden + embedding; then the voice's text-bos
+  embedding (+ codec pad); then the first reply token's hidden + embedding (+ codec bos); its token ids
+  are codec mask/pad/bos. Each decode step's input is the codec embedding of the last code plus the next
+  reply token's hidden + embedding, then the text-eos embedding, then text-pad forever. Everything is
+  projected from the thinker's width to the talker's before its layers.
+- token2wav turns the codes into a mel spectrogram by flow matching (a DiT integrated with RK4 from
+  seeded noise, conditioned on the voice) and the mel into 24 kHz audio with BigVGAN, in fp32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers.initialization import no_init_weights
+
+from omnistage.engine.types import StageInput
+from omnistage.errors import RequestError
+from omnistage.families import hf
+
+SAMPLE_RATE = 24000
+
+
+def load_part(cls: Any, path: Path, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """One top-level part (thinker / talker) in its dtype; transformers strips the part's prefix and
+    applies the checkpoint's key conversions. With accelerate installed it loads straight to the GPU."""
+    from transformers.utils import logging as hf_logging
+
+    direct = device.type == "cuda" and importlib.util.find_spec("accelerate") is not None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the other parts' weights are expected to be left unread
+    try:
+        model = cls.from_pretrained(path, config=config, dtype=dtype, attn_implementation=hf.ATTN_IMPL,
+                                    **({"device_map": device} if direct else {}))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model.to(device).eval()
+
+
+def checkpoint_rows(path: Path, key: str, rows: list[int]) -> torch.Tensor:
+    """A few rows of one checkpoint tensor, read without loading the rest of it."""
+    for file in hf.safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            if key in f.keys():
+                table = f.get_slice(key)
+                return torch.stack([table[r : r + 1][0] for r in rows])
+    raise KeyError(f"{key} not in the checkpoint at {path}")
+
+
+class ThinkerLM(hf.HFCausalLM):
+    """The thinker's text decoder, with its media encoders run when a request arrives."""
+
+    def __init__(self, thinker: nn.Module):
+        super().__init__(thinker, thinker.config, decoder=thinker.model.language_model, lm_head=thinker.lm_head,
+                         plain_loop=True)
+        self.thinker = thinker
+        self.num_layers = thinker.config.text_config.num_hidden_layers
+
+    @torch.inference_mode()
+    def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
+        if not first:
+            return inp
+        t, device = inp.tensors, self.device
+        ids = torch.tensor([inp.token_ids], device=device)
+        embeds = self.embed(ids[0])
+        audio_lengths = None
+        if "input_features" in t:
+            mask = t["feature_attention_mask"].to(device)
+            audio_lengths = mask.sum(-1)
+            feats = self.thinker.model.get_audio_features(t["input_features"].to(device, embeds.dtype), mask,
+                                                          return_dict=True).last_hidden_state
+            embeds = _scatter(embeds, ids[0] == self.thinker.config.audio_token_id, feats, "audio")
+        for kind, pixels, grid, token in (("image", "pixel_values", "image_grid_thw", "image_token_id"),
+                                          ("video", "pixel_values_videos", "video_grid_thw", "video_token_id")):
+            if pixels in t:
+                getter = getattr(self.thinker.model, f"get_{kind}_features")
+                out = getter(t[pixels].to(device, embeds.dtype), t[grid].to(device), return_dict=True)
+                feats = torch.cat(list(out.pooler_output), dim=0)
+                embeds = _scatter(embeds, ids[0] == getattr(self.thinker.config, token), feats, kind)
+        positions, deltas = self.thinker.get_rope_index(
+            ids, t.get("image_grid_thw"), t.get("video_grid_thw"), torch.ones_like(ids),
+            bool(t.get("use_audio_in_video", torch.tensor(False)).item()), audio_lengths,
+            t.get("video_second_per_grid"),
+        )
+        inp.embeds = embeds
+        inp.rope_positions = positions[:, 0]
+        inp.rope_delta = int(deltas.view(-1)[0])
+        return inp
+
+
+def _scatter(embeds: torch.Tensor, mask: torch.Tensor, features: torch.Tensor, kind: str) -> torch.Tensor:
+    if int(mask.sum()) != features.shape[0]:
+        raise RequestError(f"the prompt has {int(mask.sum())} {kind} placeholder tokens but the {kind} encoder "
+                           f"produced {features.shape[0]} features", "messages")
+    embeds = embeds.clone()
+    embeds[mask] = features.to(embeds.dtype)
+    return embeds
+
+
+class TalkerLM(hf.HFCausalLM):
+    """The talker: codec-token decoder fed by the thinker's per-token states (see the module doc)."""
+
+    def __init__(self, talker: nn.Module, thinker_rows: dict[int, torch.Tensor], media_token_ids: list[int]):
+        super().__init__(talker, talker.config, decoder=talker.model, lm_head=talker.codec_head,
+                         input_proj=talker.thinker_to_talker_proj, plain_loop=True)
+        self.talker = talker
+        self.text_rows = thinker_rows  # the thinker's embeddings of the voice bos / text eos / text pad ids
+        self.media_token_ids = media_token_ids
+        cfg = talker.config
+        self.codec = {"bos": cfg.tts_codec_start_token_id, "pad": cfg.tts_codec_pad_token_id,
+                      "mask": cfg.tts_codec_mask_token_id}
+
+    def _codec(self, name: str) -> torch.Tensor:
+        return self.embed(torch.tensor([self.codec[name]], device=self.device))[0]
+
+    def _text(self, token_id: int) -> torch.Tensor:
+        return self.text_rows[token_id].to(self.device, self.kv_spec.dtype)
+
+    @torch.inference_mode()
+    def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
+        """First input: the whole prompt; later chunks: more reply rows (and the end of the reply)."""
+        t = inp.tensors
+        rows = (t["thinker_last"] + t["thinker_embed"]).to(self.device, self.kv_spec.dtype) if "thinker_last" in t \
+            else None
+        if first:
+            prompt = t["prompt_ids"].tolist()
+            n = len(prompt)
+            embed = t["thinker_embed"][:n].clone()
+            embed[torch.isin(t["prompt_ids"], torch.tensor(self.media_token_ids))] = 0
+            prompt_rows = (t["thinker_last"][:n] + embed).to(self.device, self.kv_spec.dtype)
+            bos_row = self._text(int(t["voice_bos"])) + self._codec("pad")
+            first_reply = rows[n] + self._codec("bos")
+            inp.embeds = torch.cat([prompt_rows, bos_row[None], first_reply[None]])
+            inp.token_ids = [self.codec["mask"]] * n + [self.codec["pad"], self.codec["bos"]]
+            text_ids = torch.tensor([prompt + [int(t["voice_bos"]), int(t["first_token"])]], device=self.device)
+            positions, deltas = self.talker.get_rope_index(
+                text_ids, t.get("image_grid_thw"), t.get("video_grid_thw"), torch.ones_like(text_ids),
+                bool(t.get("use_audio_in_video", torch.tensor(False)).item()), t.get("audio_lengths"),
+                t.get("video_second_per_grid"),
+            )
+            inp.rope_positions, inp.rope_delta = positions[:, 0], int(deltas.view(-1)[0])
+            rows = rows[n + 1 :]
+        adds = [rows] if rows is not None and len(rows) else []
+        if inp.final:  # the reply is over: its end marker, then padding for as long as the talker speaks
+            adds.append(self._text(int(t["text_eos"]))[None])
+            inp.embed_add_default = self._text(int(t["text_pad"]))
+        width = self.talker.config.embedding_size
+        inp.embed_adds = torch.cat(adds) if adds else torch.zeros(0, width, device=self.device)
+        return inp
+
+
+class Token2Wav:
+    """Codes -> 24 kHz waveform per request, in fp32, seeded per request."""
+
+    def __init__(self, model: nn.Module, voices: dict[str, dict[str, torch.Tensor]], device: torch.device,
+                 num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
+        self.model, self.voices, self.device = model, voices, device
+        self.num_steps, self.guidance_scale, self.sway = num_steps, guidance_scale, sway_coefficient
+
+    @torch.inference_mode()
+    def generate(self, inputs: list[StageInput]) -> list[dict[str, torch.Tensor]]:
+        return [{"audio": self._decode(inp)} for inp in inputs]
+
+    def _decode(self, inp: StageInput) -> torch.Tensor:
+        codes = torch.tensor([inp.token_ids], device=self.device)
+        if codes.shape[1] == 0:
+            return torch.zeros(0)
+        voice = self.voices[inp.params["voice"]]
+        seed = inp.params.get("seed") or 0
+        dit = self.model.code2wav_dit_model
+        cond = voice["cond"].to(self.device).float()
+        ref_mel = voice["ref_mel"].to(self.device).float()
+        frames = codes.shape[1] * dit.repeats
+        noise = torch.randn((1, frames, dit.mel_dim), generator=torch.Generator().manual_seed(seed)).to(self.device)
+        mel = _flow_matching(dit, noise, cond, ref_mel, codes, self.num_steps, self.guidance_scale, self.sway)
+        return self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
+
+
+def _flow_matching(dit, noise, cond, ref_mel, codes, num_steps, guidance_scale, sway) -> torch.Tensor:
+    """The DiT's ODE from `noise` (what transformers' DiT `sample` does, with the noise passed in so
+    each request is seeded on its own)."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+    cond = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
+
+    def velocity(time_step: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        out = dit(hidden_states=state, quantized_code=codes, speaker_embedding=cond, condition_vector=ref_mel,
+                  time_step=time_step, apply_cfg=True)
+        guided, null = torch.chunk(out, 2, dim=0)
+        return guided + (guided - null) * guidance_scale
+
+    times = torch.linspace(0, 1, num_steps, device=noise.device, dtype=cond.dtype)
+    if sway is not None:
+        times += sway * (torch.cos(torch.pi / 2 * times) - 1 + times)
+    return RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(times)[-1].permute(0, 2, 1)
+
+
+def load_token2wav(path: Path, config: Any, device: torch.device) -> nn.Module:
+    from transformers import Qwen2_5OmniToken2WavModel
+
+    with torch.device(device), no_init_weights():
+        model = Qwen2_5OmniToken2WavModel._from_config(config, dtype=torch.float32)
+    hf.load_weights(model, path, {"token2wav.": ""})
+    return model.eval()
+
+
+def load_voices(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """spk_dict.pt: tensors and ints only (weights_only refuses anything that would run code)."""
+    file = path / "spk_dict.pt"
+    return torch.load(file, weights_only=True, map_location="cpu") if file.is_file() else {}
