@@ -18,6 +18,7 @@ from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
 from omnistage.families.causal_lm import TextPipeline, ar_engine
 from omnistage.families.qwen2_5_omni import models
+from omnistage.media import MEDIA_PART_TYPES, MediaLimits, load_part
 from omnistage.runtime.messages import OmniOutput, OmniRequest
 from omnistage.sampling_params import SamplingParams
 
@@ -42,12 +43,11 @@ class OmniPipeline(TextPipeline):
         voice = request.options.get("voice") or (self.voices[0] if self.voices else None)
         if speech and voice not in self.voices:
             raise RequestError(f"unknown voice {voice!r}; this model has {list(self.voices)}", "audio.voice")
-        messages = list(request.messages or [{"role": "user", "content": request.prompt or ""}])
+        use_audio_in_video = bool(request.options.get("use_audio_in_video", False))
+        messages, media = self._split_media(request, use_audio_in_video)
         if speech and messages[0].get("role") != "system":
             messages.insert(0, {"role": "system", "content": [{"type": "text", "text": SPEECH_SYSTEM_PROMPT}]})
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        media = request.media
-        use_audio_in_video = bool(request.options.get("use_audio_in_video", False))
         batch = self.processor(
             text=[text], audio=media.get("audio") or None, images=media.get("image") or None,
             videos=media.get("video") or None, return_tensors="pt", padding=False,
@@ -62,6 +62,40 @@ class OmniPipeline(TextPipeline):
         request.options["thinker_input"] = inp  # the talker's handoff needs the prompt and media layout
         request.options["voice"] = voice
         return inp
+
+    def _split_media(self, request: OmniRequest, use_audio_in_video: bool) -> tuple[list[dict], dict[str, list]]:
+        """Messages with media parts turned into the template's placeholders, and the media in order.
+        A part may carry a decoded object ({"type": "image", "image": PIL image}, "audio": float32 array at
+        16 kHz, "video": Video) or be an OpenAI part (image_url, input_audio, audio_url, video_url)."""
+        media: dict[str, list] = {kind: list(items) for kind, items in request.media.items()}
+        limits = MediaLimits(max_bytes=self.deploy.limits.max_media_bytes)
+        messages = []
+        for i, message in enumerate(request.messages or [{"role": "user", "content": request.prompt or ""}]):
+            content = message.get("content")
+            if not isinstance(content, list):
+                messages.append(message)
+                continue
+            parts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in MEDIA_PART_TYPES:
+                    item = load_part(part, f"messages[{i}].content[{j}]", limits,
+                                     use_audio_in_video=use_audio_in_video)
+                    kind, value = item.kind, item.value
+                elif kind in ("image", "audio", "video") and kind in part:
+                    value = part[kind]
+                else:
+                    parts.append(part)
+                    continue
+                media.setdefault(kind, []).append(value.frames if kind == "video" else value)
+                if kind == "video" and use_audio_in_video:
+                    if value.audio is None:
+                        raise RequestError(f"messages[{i}].content[{j}]: use_audio_in_video is set but the video has "
+                                           "no audio track", "use_audio_in_video")
+                    media.setdefault("audio", []).append(value.audio)
+                parts.append({"type": kind})
+            messages.append({**message, "content": parts})
+        return messages, media
 
     # ---- stage engines ---------------------------------------------------------------------------
 

@@ -66,6 +66,8 @@ class ThinkerLM(hf.HFCausalLM):
     def __init__(self, thinker: nn.Module):
         super().__init__(thinker, thinker.config, decoder=thinker.model.language_model, lm_head=thinker.lm_head,
                          plain_loop=True)
+        for encoder in (thinker.model.audio_tower, thinker.model.visual):  # whole media items, not the paged cache
+            encoder.config._attn_implementation = "sdpa"
         self.thinker = thinker
         self.num_layers = thinker.config.text_config.num_hidden_layers
 

@@ -1,0 +1,150 @@
+"""Qwen2.5-Omni through omnistage's three stages against transformers on the tiny checkpoint.
+
+- Thinker: identical greedy tokens to `Qwen2_5OmniForConditionalGeneration.generate`.
+- Talker: identical greedy codes to transformers' talker modules run over the inputs that `generate`
+  builds for them (thinker states per token, voice bos, codec pad/bos, reply rows, then eos and pad),
+  recomputed in full at every step. (`generate` itself in transformers 5.24 calls the talker without
+  an attention mask, which skips the codec pad/bos additions and M-RoPE positions its own code
+  intends; its codes match ours until the reply runs out and then drift. We follow the intent.)
+- token2wav: the same waveform as transformers' token2wav on those codes with the same seed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from omnistage import Omni, SamplingParams
+from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
+
+pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchvision (installed by scripts/test)")
+
+THINKER_TOKENS, TALKER_CODES, VOICE = 8, 24, "Ethan"
+MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "Say something nice about rivers."}]}]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen2_5_omni: str):
+    """Thinker tokens and hidden states from HF generate; talker codes and audio from HF modules."""
+    from transformers import Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniProcessor
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_qwen2_5_omni, dtype=torch.float32).eval()
+    processor = Qwen2_5OmniProcessor.from_pretrained(tiny_qwen2_5_omni)
+    messages = [{"role": "system", "content": [{"type": "text", "text": SPEECH_SYSTEM_PROMPT}]}, *MESSAGES]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = processor(text=[text], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.thinker.generate(ids, max_new_tokens=THINKER_TOKENS, min_new_tokens=THINKER_TOKENS,
+                                     do_sample=False, output_hidden_states=True, return_dict_in_generate=True)
+    thinker_tokens = out.sequences[0, ids.shape[1]:].tolist()
+    embeds = torch.cat([h[0] for h in out.hidden_states], dim=1)[0]  # per computed token: input embedding
+    last = torch.cat([h[-1] for h in out.hidden_states], dim=1)[0]  # and last hidden state
+    rows = embeds + last
+    talker, n = model.talker, ids.shape[1]
+    speaker = model.speaker_map[VOICE]
+    text_embed = model.thinker.get_input_embeddings()
+    codec_embed = talker.get_input_embeddings()
+
+    def tok(table, i: int) -> torch.Tensor:
+        return table(torch.tensor([i]))[0]
+
+    voice_bos = tok(text_embed, int(speaker["bos_token"])) + tok(codec_embed, talker.codec_pad_token)
+    prompt = torch.cat([rows[:n], voice_bos[None], (rows[n] + tok(codec_embed, talker.codec_bos_token))[None]])
+    reply = [*rows[n + 1:], tok(text_embed, talker.text_eos_token)]
+    pad = tok(text_embed, talker.text_pad_token)
+    codes: list[int] = []
+    history = [talker.codec_mask_token] * n + [talker.codec_pad_token, talker.codec_bos_token]
+    penalty = RepetitionPenaltyLogitsProcessor(1.05)
+    with torch.no_grad():
+        for _ in range(TALKER_CODES):
+            inputs = [prompt] + [(tok(codec_embed, c) + (reply[i] if i < len(reply) else pad))[None]
+                                 for i, c in enumerate(codes)]
+            seq = torch.cat(inputs)
+            positions = torch.arange(len(seq))[None, None].expand(3, 1, -1)
+            hidden = talker.model(inputs_embeds=talker.thinker_to_talker_proj(seq)[None], position_ids=positions)
+            logits = penalty(torch.tensor([history + codes]), talker.codec_head(hidden.last_hidden_state)[:, -1])
+            logits[0, talker.codec_bos_token] = float("-inf")
+            codes.append(int(logits.argmax()))
+        torch.manual_seed(0)
+        wav = model.token2wav(torch.tensor([codes]), conditioning=speaker["cond"].float(),
+                              reference_mel=speaker["ref_mel"].float()).reshape(-1)
+    return thinker_tokens, wav
+
+
+def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference) -> None:
+    thinker_tokens, wav = reference
+    params = {
+        "thinker": SamplingParams(max_tokens=THINKER_TOKENS, temperature=0, ignore_eos=True),
+        "talker": SamplingParams(max_tokens=TALKER_CODES, temperature=0, repetition_penalty=1.05, ignore_eos=True),
+    }
+    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512}}}) as omni:
+        (spoken,) = omni.generate([MESSAGES], params, ("text", "audio"), voice=VOICE)
+        (text_only,) = omni.generate([MESSAGES], params["thinker"])
+        stats = omni.stats()
+    assert spoken.error is None, spoken.error
+    assert spoken.token_ids == thinker_tokens
+    assert spoken.sample_rate == 24000 and spoken.audio.shape == wav.shape
+    torch.testing.assert_close(spoken.audio, wav.float(), rtol=1e-4, atol=1e-4)
+    assert text_only.audio is None and text_only.error is None
+    assert stats["talker"]["kv_blocks_used"] == 0 and stats["talker"]["num_running"] == 0
+
+
+def test_image_and_audio_input_equal_transformers(tiny_qwen2_5_omni: str) -> None:
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniProcessor
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 255, (56, 84, 3), dtype=np.uint8))
+    audio = (0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32)
+    question = {"type": "text", "text": "What do you see and hear?"}
+    placeholders = [{"role": "user", "content": [{"type": "image"}, {"type": "audio"}, question]}]
+    processor = Qwen2_5OmniProcessor.from_pretrained(tiny_qwen2_5_omni)
+    text = processor.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[image], audio=[audio], return_tensors="pt")
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_qwen2_5_omni, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.thinker.generate(**inputs, max_new_tokens=THINKER_TOKENS, min_new_tokens=THINKER_TOKENS,
+                                     do_sample=False)
+    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "audio", "audio": audio},
+                                             question]}]
+    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512}}}) as omni:
+        (got,) = omni.generate([messages], SamplingParams(max_tokens=THINKER_TOKENS, temperature=0, ignore_eos=True))
+    assert got.error is None, got.error
+    assert got.num_prompt_tokens == inputs["input_ids"].shape[1]
+    assert got.token_ids == expected
+
+
+def test_parallel_requests_keep_their_own_audio(tiny_qwen2_5_omni: str) -> None:
+    """Requests with different voices and lengths, run together, each equal their solo run."""
+    cases = [("Ethan", 6, 12), ("Chelsie", 9, 20), ("Ethan", 4, 16), ("Chelsie", 7, 10)]
+
+    def params(thinker_len: int, codes: int) -> dict:
+        return {"thinker": SamplingParams(max_tokens=thinker_len, temperature=0, ignore_eos=True),
+                "talker": SamplingParams(max_tokens=codes, temperature=0, repetition_penalty=1.05, ignore_eos=True)}
+
+    prompts = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(len(cases))]
+    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512}}}) as omni:
+        solo = [omni.generate([p], params(t, c), ("text", "audio"), voice=v)[0]
+                for p, (v, t, c) in zip(prompts, cases, strict=True)]
+        together = [None] * len(cases)
+
+        def run(i: int) -> None:
+            v, t, c = cases[i]
+            together[i] = omni.generate([prompts[i]], params(t, c), ("text", "audio"), voice=v)[0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    for (_, t, c), a, b in zip(cases, solo, together, strict=True):
+        assert a.error is None and b.error is None
+        assert a.token_ids == b.token_ids and len(a.token_ids) == t
+        assert a.audio.shape == b.audio.shape == (c * 2 * 240,)
+        torch.testing.assert_close(a.audio, b.audio, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(solo[0].audio[:1000], solo[1].audio[:1000])
