@@ -32,6 +32,12 @@ def tiny_llama() -> str:
     return str(tiny_checkpoint("llama"))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_omni() -> str:
+    """Tiny random Qwen2.5-Omni (thinker, talker, token2wav, processor files, voices Chelsie and Ethan)."""
+    return str(tiny_checkpoint("qwen2_5_omni"))
+
+
 @pytest.fixture(scope="session", params=TINY_ARCHS)
 def tiny_lm(request: pytest.FixtureRequest) -> str:
     """Parametrized over every tiny architecture; tests using it run once per arch."""

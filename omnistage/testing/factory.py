@@ -35,8 +35,18 @@ _LOGIT_SCALE = 20.0
 _ROW_NORM_SIGMA = 0.2
 
 
-def make_tokenizer(out_dir: str | Path) -> Path:
-    """Train a small byte-level BPE on the bundled corpus and save it as a fast HF tokenizer."""
+def make_tokenizer(
+    out_dir: str | Path,
+    extra_special_tokens: tuple[str, ...] = (),
+    named_special_tokens: dict[str, str] | None = None,
+    chat_template: str = "chat_template.jinja",
+    model_max_length: int = 1024,
+) -> Path:
+    """Train a small byte-level BPE on the bundled corpus and save it as a fast HF tokenizer.
+
+    `extra_special_tokens` get ids right after SPECIAL_TOKENS; `named_special_tokens` (e.g. {"image_token":
+    "<|IMAGE|>"}) become tokenizer attributes (`tok.image_token`, `tok.image_token_id`), as multimodal processors
+    expect; `chat_template` names a template file bundled beside this module."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -56,7 +66,7 @@ def make_tokenizer(out_dir: str | Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -66,10 +76,11 @@ def make_tokenizer(out_dir: str | Path) -> Path:
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-        model_max_length=1024,
+        additional_special_tokens=["<|im_start|>", *extra_special_tokens],
+        model_max_length=model_max_length,
+        **({"model_specific_special_tokens": named_special_tokens} if named_special_tokens else {}),
     )
-    template = (_HERE / "chat_template.jinja").read_text(encoding="utf-8")
+    template = (_HERE / chat_template).read_text(encoding="utf-8")
     fast.chat_template = template
     fast.save_pretrained(out)  # transformers 5 writes the template to chat_template.jinja ...
     # ... and older readers (and non-HF code) look in tokenizer_config.json, so put it there too.
@@ -147,17 +158,26 @@ def make_tiny_causal_lm(
 def tiny_checkpoint(arch: str = "qwen2", seed: int = 0) -> Path:
     """Return a cached tiny checkpoint dir, built atomically (tmp dir + rename): safe for concurrent callers.
 
-    Cache root: $OMNISTAGE_CACHE (default ~/.cache/omnistage/tiny); entries are keyed by FACTORY_VERSION.
+    `arch`: a causal-LM arch ("qwen2", "qwen3", "llama") or "qwen2_5_omni" (see testing/qwen2_5_omni.py).
+
+    Cache root: $OMNISTAGE_CACHE (default ~/.cache/omnistage/tiny); entries are keyed by FACTORY_VERSION
+    (OMNI_FACTORY_VERSION for qwen2_5_omni).
     """
     root = Path(os.environ.get("OMNISTAGE_CACHE") or Path.home() / ".cache" / "omnistage" / "tiny")
-    final = root / f"{arch}-s{seed}-v{FACTORY_VERSION}"
+    if arch == "qwen2_5_omni":
+        from omnistage.testing.qwen2_5_omni import OMNI_FACTORY_VERSION, make_tiny_qwen2_5_omni
+
+        version, make = OMNI_FACTORY_VERSION, lambda out: make_tiny_qwen2_5_omni(out, seed=seed)
+    else:
+        version, make = FACTORY_VERSION, lambda out: make_tiny_causal_lm(out, arch=arch, seed=seed)
+    final = root / f"{arch}-s{seed}-v{version}"
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
     try:
-        make_tiny_causal_lm(tmp, arch=arch, seed=seed)
+        make(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
