@@ -1,0 +1,155 @@
+"""Audio: encoded bytes -> mono float32 samples at a requested rate, and samples -> encoded bytes.
+
+Decoding follows the steps of `librosa.load` (and transformers' `load_audio` with its soundfile backend):
+libsndfile decodes (WAV, FLAC, MP3, OGG/Vorbis/Opus, AIFF, ...), channels are averaged, soxr resamples at
+"HQ" quality and the result has exactly ceil(n * rate / source_rate) samples. So the samples equal what HF's
+own loader feeds its feature extractors. Containers libsndfile cannot read (MP4/M4A/AAC, WebM, ...) are
+decoded with PyAV (FFmpeg) and then take the same downmix and resampling.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import numpy as np
+
+from omnistage.errors import RequestError
+from omnistage.media.source import bad_media
+
+ENCODE_FORMATS = ("wav", "flac", "mp3", "opus", "pcm16")
+PCM16_INPUT_RATE = 24000  # raw "pcm16" input carries no header: 16-bit little-endian mono at this rate (as OpenAI)
+_OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+
+
+def resample(samples: np.ndarray, source_rate: int, rate: int) -> np.ndarray:
+    """Mono float32 `samples` from `source_rate` to `rate` (soxr HQ), exactly ceil(n * rate / source_rate) long."""
+    samples = np.ascontiguousarray(samples, dtype=np.float32)
+    if source_rate == rate:
+        return samples
+    import soxr
+
+    length = math.ceil(samples.shape[-1] * rate / source_rate)
+    out = soxr.resample(samples, source_rate, rate, quality="soxr_hq")
+    return np.ascontiguousarray(np.pad(out, (0, max(0, length - len(out))))[:length], dtype=np.float32)
+
+
+def _downmix(samples: np.ndarray) -> np.ndarray:
+    """[channels, n] -> [n] by averaging channels."""
+    return samples.mean(axis=0) if samples.shape[0] > 1 else samples[0]
+
+
+def _decode_soundfile(data: bytes) -> tuple[np.ndarray, int]:
+    import soundfile as sf
+
+    with sf.SoundFile(io.BytesIO(data)) as f:
+        rate = f.samplerate
+        samples = f.read(dtype="float32", always_2d=True).T
+    return _downmix(samples), rate
+
+
+def decode_audio_track(container: Any) -> tuple[np.ndarray, int] | None:
+    """The first audio stream of an open PyAV container as (mono float32, source rate); None if it has none."""
+    import av
+
+    if not container.streams.audio:
+        return None
+    stream = container.streams.audio[0]
+    resampler = av.AudioResampler(format="fltp")  # planar float, source layout and rate
+    chunks: list[np.ndarray] = []
+    rate = stream.codec_context.sample_rate or 0
+    for frame in container.decode(stream):
+        rate = frame.sample_rate or rate
+        chunks.extend(out.to_ndarray() for out in resampler.resample(frame))
+    chunks.extend(out.to_ndarray() for out in resampler.resample(None))
+    if not chunks:
+        return np.zeros(0, dtype=np.float32), int(rate)
+    return _downmix(np.concatenate(chunks, axis=1).astype(np.float32, copy=False)), int(rate)
+
+
+def _decode_pyav(data: bytes, part: str) -> tuple[np.ndarray, int]:
+    import av
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        track = decode_audio_track(container)
+    if track is None:
+        raise bad_media(part, "could not decode the audio: the file has no audio stream")
+    return track
+
+
+def decode_audio(
+    data: bytes,
+    sample_rate: int,
+    part: str = "audio",
+    fmt: str | None = None,
+    max_seconds: float | None = None,
+) -> np.ndarray:
+    """Decode `data` to mono float32 at `sample_rate`. `fmt` is the client's format hint ("wav", "mp3", ...);
+    "pcm16" means headerless 16-bit little-endian mono at PCM16_INPUT_RATE. Longer than `max_seconds` is a 413;
+    undecodable or empty audio is a 400."""
+    fmt = (fmt or "").lower().strip() or None
+    if fmt == "pcm16":
+        if len(data) % 2:
+            raise bad_media(part, "could not decode the audio: pcm16 data has an odd number of bytes")
+        samples, rate = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0, PCM16_INPUT_RATE
+    else:
+        try:
+            samples, rate = _decode_soundfile(data)
+        except Exception as sf_error:  # libsndfile cannot read it: let FFmpeg try
+            try:
+                samples, rate = _decode_pyav(data, part)
+            except RequestError:
+                raise
+            except Exception:
+                hint = f" (format {fmt!r})" if fmt else ""
+                raise bad_media(part, f"could not decode the audio{hint}: {sf_error}") from None
+    if samples.size == 0 or rate <= 0:
+        raise bad_media(part, "could not decode the audio: it has no samples")
+    if max_seconds is not None and samples.shape[-1] / rate > max_seconds:
+        raise RequestError(
+            f"{part}: audio is longer than the limit of {max_seconds:g} s ({samples.shape[-1] / rate:.1f} s)",
+            part, status=413,
+        )
+    if not np.isfinite(samples).all():
+        raise bad_media(part, "could not decode the audio: it contains NaN or infinite samples")
+    return resample(samples, rate, sample_rate)
+
+
+def encodable_formats() -> tuple[str, ...]:
+    """Formats `encode_audio` can write with the libsndfile found here (mp3 needs libsndfile >= 1.1)."""
+    import soundfile as sf
+
+    have = sf.available_formats()
+    usable = {"wav": "WAV", "flac": "FLAC", "mp3": "MP3", "opus": "OGG"}
+    return tuple(f for f in ENCODE_FORMATS if f == "pcm16" or usable[f] in have)
+
+
+def encode_audio(samples: Any, rate: int, fmt: str) -> bytes:
+    """Encode mono float samples (clipped to [-1, 1]) as `fmt`: "wav" (16-bit PCM), "flac" (16-bit), "mp3",
+    "opus" (Ogg Opus; resampled to 48 kHz unless `rate` is one Opus supports) or "pcm16" (headerless 16-bit
+    little-endian). An unknown or unavailable format is a 400 naming the ones that work."""
+    fmt = (fmt or "").lower().strip()
+    if fmt not in encodable_formats():
+        raise RequestError(
+            f"audio format {fmt!r} is not supported here; use one of: {', '.join(encodable_formats())}",
+            "audio.format",
+        )
+    if hasattr(samples, "detach"):
+        samples = samples.detach().float().cpu().numpy()
+    samples = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
+    if fmt == "pcm16":
+        return np.round(samples * 32767.0).astype("<i2").tobytes()
+    import soundfile as sf
+
+    container, subtype = {
+        "wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS"),
+    }[fmt]
+    if fmt == "opus" and rate not in _OPUS_RATES:
+        samples, rate = resample(samples, rate, 48000), 48000
+    buffer = io.BytesIO()
+    try:
+        sf.write(buffer, samples, rate, format=container, subtype=subtype)
+    except Exception as exc:  # e.g. an mp3 sample rate the encoder lacks
+        raise RequestError(f"could not encode audio as {fmt} at {rate} Hz: {exc}", "audio.format") from None
+    return buffer.getvalue()
