@@ -1,0 +1,86 @@
+"""Qwen2.5-Omni over HTTP with the official client: text + speech answers (whole and streamed),
+media input as OpenAI parts, and clear 4xx errors for what cannot be served."""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import numpy as np
+import openai
+import pytest
+
+from omnistage.entrypoints.openai.server import BackgroundServer
+
+pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchvision (installed by scripts/test)")
+
+SPEECH = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_qwen2_5_omni: str):
+    from omnistage.entrypoints.async_omni import AsyncOmni
+
+    engine = AsyncOmni.from_model(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512},
+                                                                 "talker": {"default_sampling_params": {
+                                                                     "max_tokens": 12, "temperature": 0}}}},
+                                  served_model_name="omni")
+    with BackgroundServer(engine) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    engine.shutdown()
+
+
+def _wav_samples(data: str) -> tuple[int, np.ndarray]:
+    with wave.open(io.BytesIO(base64.b64decode(data))) as w:
+        return w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
+
+
+def test_text_and_audio_answer(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "wav"}, extra_body=SPEECH,
+    )
+    message = out.choices[0].message
+    rate, samples = _wav_samples(message.audio.data)
+    assert rate == 24000 and len(samples) == 12 * 2 * 240  # 12 codes, 2 mel frames each, 240 samples per frame
+    assert message.audio.transcript == message.content and message.content is not None
+
+
+def test_streamed_audio_chunks(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "pcm16"}, stream=True, extra_body=SPEECH,
+    )
+    text, pcm = "", b""
+    for chunk in stream:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is not None:
+            text += delta.content or ""
+            audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
+            if audio:
+                pcm += base64.b64decode(audio["data"] if isinstance(audio, dict) else audio.data)
+    assert len(pcm) == 12 * 2 * 240 * 2  # int16 samples
+
+
+def test_image_part_and_errors(client: openai.OpenAI) -> None:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((56, 56, 3), 128, dtype=np.uint8)).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    out = client.chat.completions.create(
+        model="omni", extra_body=SPEECH,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                               {"type": "text", "text": "What is this?"}]}],
+    )
+    assert out.choices[0].message.content is not None and out.usage.prompt_tokens > 20
+    with pytest.raises(openai.BadRequestError, match="unknown voice 'Nobody'"):
+        client.chat.completions.create(model="omni", messages=[{"role": "user", "content": "Hi"}],
+                                       modalities=["text", "audio"], audio={"voice": "Nobody", "format": "wav"})
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[0\]: could not decode the image"):
+        client.chat.completions.create(model="omni", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]}])
+    ok = client.chat.completions.create(model="omni", messages=[{"role": "user", "content": "Still there?"}],
+                                        extra_body=SPEECH)
+    assert ok.choices[0].finish_reason == "length"
