@@ -63,6 +63,18 @@ def test_streamed_audio_chunks(client: openai.OpenAI) -> None:
     assert len(pcm) == 12 * 2 * 240 * 2  # int16 samples
 
 
+def test_compressed_audio_formats(client: openai.OpenAI) -> None:
+    import soundfile as sf
+
+    for fmt in ("flac", "mp3"):
+        out = client.chat.completions.create(
+            model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
+            audio={"voice": "Chelsie", "format": fmt}, extra_body=SPEECH,
+        )
+        samples, rate = sf.read(io.BytesIO(base64.b64decode(out.choices[0].message.audio.data)))
+        assert rate == 24000 and abs(len(samples) - 12 * 2 * 240) <= 2000  # mp3 frames pad a little
+
+
 def test_image_part_and_errors(client: openai.OpenAI) -> None:
     from PIL import Image
 

@@ -109,7 +109,7 @@ class AudioOptions(_Strict):
     """Chat `audio` parameter: how spoken output is returned when `modalities` includes "audio"."""
 
     voice: str | None = None
-    format: Literal["wav", "pcm16"] = "wav"
+    format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = "wav"
 
 
 # ---------------------------------------------------------------- requests: shared sampling fields

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import itertools
 import logging
 import re
 import time
 import uuid
-import wave
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import torch
 from pydantic import BaseModel
 
 from omnistage.engine.types import TokenLogprob
@@ -47,6 +44,7 @@ from omnistage.entrypoints.openai.protocol import (
     seeded_copies,
 )
 from omnistage.errors import RequestError, StageError
+from omnistage.media import encode_audio
 from omnistage.runtime.messages import OmniOutput, OmniRequest
 from omnistage.sampling_params import SamplingParams
 
@@ -294,21 +292,6 @@ def completion_logprobs(
 # ---------------------------------------------------------------- audio
 
 
-def _pcm16(samples: torch.Tensor) -> bytes:
-    """Mono float samples in [-1, 1] -> 16-bit little-endian PCM."""
-    return (samples.detach().float().clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy().tobytes()
-
-
-def _wav(samples: torch.Tensor, rate: int) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as f:
-        f.setnchannels(1)
-        f.setsampwidth(2)
-        f.setframerate(rate)
-        f.writeframes(_pcm16(samples))
-    return buf.getvalue()
-
-
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -320,7 +303,7 @@ def _audio_id() -> str:
 def _message_audio(out: OmniOutput, fmt: str) -> MessageAudio | None:
     if out.audio is None or not out.sample_rate:
         return None
-    data = _wav(out.audio, out.sample_rate) if fmt == "wav" else _pcm16(out.audio)
+    data = encode_audio(out.audio, out.sample_rate, fmt)
     return MessageAudio(id=_audio_id(), data=_b64(data), expires_at=int(time.time()) + 3600, transcript=out.text)
 
 
@@ -399,7 +382,7 @@ async def chat_chunks(
     def choice(i: int, out: OmniOutput) -> ChatChunkChoice | None:
         audio = None
         if out.audio is not None and out.audio.numel():
-            audio = DeltaAudio(id=audio_ids[i], data=_b64(_pcm16(out.audio)))
+            audio = DeltaAudio(id=audio_ids[i], data=_b64(encode_audio(out.audio, out.sample_rate, "pcm16")))
         if not (out.text or out.token_ids or audio or out.finished):
             return None
         return ChatChunkChoice(
