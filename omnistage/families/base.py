@@ -30,6 +30,9 @@ class Edge:
     src: str
     dst: str
     handoff: Handoff
+    # With the deploy config's `async_chunk`, a streamed edge's handoff sees every delta as it is made
+    # (and opens the downstream request early); otherwise it sees the whole output once, at the end.
+    streamed: bool = True
 
 
 @dataclass

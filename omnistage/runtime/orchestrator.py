@@ -210,13 +210,13 @@ class Orchestrator:
             ), abort=True)
             return
 
-        for edge in self.edges_from[stage]:
-            if edge.dst not in state.stages:
-                continue
-            if self.async_chunk:
+        edges = [e for e in self.edges_from[stage] if e.dst in state.stages]
+        if any(not (self.async_chunk and e.streamed) for e in edges):  # someone needs the whole output
+            merged = state.merged.setdefault(stage, StageOutput(out.request_id, stage)).merge(out)
+        for edge in edges:
+            if self.async_chunk and edge.streamed:
                 inp = edge.handoff(state.request, out)
             else:
-                merged = state.merged.setdefault(stage, StageOutput(out.request_id, stage)).merge(out)
                 inp = edge.handoff(state.request, merged) if out.finished else None
             if inp is not None:
                 try:

@@ -143,22 +143,39 @@ class OmniPipeline(TextPipeline):
 
 
 def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:
-    """The thinker's reply, as states per token, becomes the talker's prompt (and later its added rows)."""
+    """The thinker's reply, as states per computed token, becomes the talker's prompt and then its added
+    rows. Streamed (`async_chunk`), the talker opens once the first reply token's states exist and gets
+    each later row as the thinker computes it; otherwise `out` is the whole reply, at its end."""
     thinker_inp: StageInput = request.options["thinker_input"]
-    if not out.token_ids and not out.finished:
+    feed = request.options.setdefault("talker_feed", {"embed": [], "last": [], "first_token": None, "open": False})
+    if out.hidden_states:
+        feed["embed"].append(out.hidden_states["embed"])
+        feed["last"].append(out.hidden_states["last"])
+    if feed["first_token"] is None and out.token_ids:
+        feed["first_token"] = out.token_ids[0]
+    rows = sum(len(x) for x in feed["last"])
+    prompt_len = len(thinker_inp.token_ids)
+    if not feed["open"] and rows <= prompt_len and not out.finished:
+        return None  # the talker's prompt ends with the first reply token's states
+    if feed["open"] and not rows and not out.finished:
         return None
     cfg = pipeline.config.talker_config
-    voice = pipeline.voice_bos[request.options["voice"]]
-    tensors = {
-        "thinker_embed": out.hidden_states["embed"], "thinker_last": out.hidden_states["last"],
-        "prompt_ids": torch.tensor(thinker_inp.token_ids), "voice_bos": torch.tensor(voice),
-        "first_token": torch.tensor(out.token_ids[0]),
-        "text_eos": torch.tensor(cfg.tts_text_end_token_id), "text_pad": torch.tensor(cfg.tts_text_pad_token_id),
-        **{k: thinker_inp.tensors[k] for k in _MEDIA_TENSORS if k in thinker_inp.tensors},
-    }
-    if "feature_attention_mask" in thinker_inp.tensors:
-        tensors["audio_lengths"] = thinker_inp.tensors["feature_attention_mask"].sum(-1)
-    return StageInput(out.request_id, [], params=pipeline.talker_params(request), tensors=tensors, final=True)
+    tensors = {"text_eos": torch.tensor(cfg.tts_text_end_token_id), "text_pad": torch.tensor(cfg.tts_text_pad_token_id)}
+    if rows:
+        tensors["thinker_embed"], tensors["thinker_last"] = torch.cat(feed["embed"]), torch.cat(feed["last"])
+    feed["embed"], feed["last"] = [], []
+    if not feed["open"]:
+        feed["open"] = True
+        tensors.update({
+            "prompt_ids": torch.tensor(thinker_inp.token_ids),
+            "voice_bos": torch.tensor(pipeline.voice_bos[request.options["voice"]]),
+            "first_token": torch.tensor(feed["first_token"]),
+            **{k: thinker_inp.tensors[k] for k in _MEDIA_TENSORS if k in thinker_inp.tensors},
+        })
+        if "feature_attention_mask" in thinker_inp.tensors:
+            tensors["audio_lengths"] = thinker_inp.tensors["feature_attention_mask"].sum(-1)
+    return StageInput(out.request_id, [], params=pipeline.talker_params(request), tensors=tensors,
+                      final=out.finished)
 
 
 def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:
@@ -192,7 +209,7 @@ class Qwen25OmniFamily:
         pipeline = OmniPipeline(info.path, deploy, stages)
         pipeline.edges = [
             Edge("thinker", "talker", lambda r, o: thinker_to_talker(pipeline, r, o)),
-            Edge("talker", "token2wav", lambda r, o: talker_to_token2wav(pipeline, r, o)),
+            Edge("talker", "token2wav", lambda r, o: talker_to_token2wav(pipeline, r, o), streamed=False),
         ]
         pipeline.config = Qwen2_5OmniConfig.from_pretrained(info.path)
         pipeline.processor = Qwen2_5OmniProcessor.from_pretrained(info.path)

@@ -144,7 +144,9 @@ class TalkerLM(hf.HFCausalLM):
             embed[torch.isin(t["prompt_ids"], torch.tensor(self.media_token_ids))] = 0
             prompt_rows = (t["thinker_last"][:n] + embed).to(self.device, self.kv_spec.dtype)
             bos_row = self._text(int(t["voice_bos"])) + self._codec("pad")
-            first_reply = rows[n] + self._codec("bos")
+            # a one-token reply has no states for its token: the talker hears the reply end at once
+            reply0 = rows[n] if len(rows) > n else self._text(int(t["text_eos"]))
+            first_reply = reply0 + self._codec("bos")
             inp.embeds = torch.cat([prompt_rows, bos_row[None], first_reply[None]])
             inp.token_ids = [self.codec["mask"]] * n + [self.codec["pad"], self.codec["bos"]]
             text_ids = torch.tensor([prompt + [int(t["voice_bos"]), int(t["first_token"])]], device=self.device)

@@ -74,13 +74,15 @@ def reference(tiny_qwen2_5_omni: str):
     return thinker_tokens, wav
 
 
-def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference) -> None:
+@pytest.mark.parametrize("async_chunk", [False, True], ids=["handoff-at-end", "streamed-handoff"])
+def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference, async_chunk: bool) -> None:
+    """Streamed, the talker starts while the thinker still writes and waits for each reply row."""
     thinker_tokens, wav = reference
     params = {
         "thinker": SamplingParams(max_tokens=THINKER_TOKENS, temperature=0, ignore_eos=True),
         "talker": SamplingParams(max_tokens=TALKER_CODES, temperature=0, repetition_penalty=1.05, ignore_eos=True),
     }
-    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512}}}) as omni:
+    with Omni(tiny_qwen2_5_omni, {"async_chunk": async_chunk, "stages": {"*": {"max_model_len": 512}}}) as omni:
         (spoken,) = omni.generate([MESSAGES], params, ("text", "audio"), voice=VOICE)
         (text_only,) = omni.generate([MESSAGES], params["thinker"])
         stats = omni.stats()
