@@ -41,6 +41,7 @@ class StageConfig(_Strict):
     overlap_decode: bool = Field(True, description="Keep a greedy decode step in flight while the host reads the last")
     enforce_eager: bool = False
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict, description="Stage-specific knobs its family documents")
 
     @field_validator("default_sampling_params")
     @classmethod

@@ -1,9 +1,11 @@
 """The generation engine: non-autoregressive stages (vocoders, codec decoders, encoders).
 
-A request collects its input chunks; once its input is final it is ready, and each `step()` hands
-every ready request (up to `max_num_seqs`) to the model in one call. The model is a family's object
-with `generate(inputs: list[StageInput]) -> list[dict[str, Tensor]]`, one dict of output tensors per
-input, so it may batch however its computation allows.
+A request collects its input chunks. Each `step()` hands every ready request (up to `max_num_seqs`)
+to the model in one call, so the model may batch however its computation allows. The model is a
+family's object with `generate(inputs) -> [(output tensors, finished)]`, one pair per input, and
+optionally `ready(inp) -> bool`: by default a request is ready once its input is final; a streaming
+model (a vocoder decoding windows of codes) says when enough has arrived, and keeps its progress in
+the request's params between calls.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class GenerationModel(Protocol):
-    def generate(self, inputs: list[StageInput]) -> list[dict[str, torch.Tensor]]: ...
+    def generate(self, inputs: list[StageInput]) -> list[tuple[dict[str, torch.Tensor], bool]]: ...
 
 
 def _concat(first: StageInput, chunk: StageInput) -> StageInput:
@@ -37,6 +39,7 @@ class GenerationEngine:
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, StageInput] = {}  # arrival order is kept by the dict
+        self.ready = getattr(model, "ready", lambda inp: inp.final)
         self.num_steps = 0
 
     def add_request(self, inp: StageInput) -> None:
@@ -50,28 +53,33 @@ class GenerationEngine:
         self.requests.pop(request_id, None)
 
     def has_work(self) -> bool:
-        return any(inp.final for inp in self.requests.values())
+        return any(self.ready(inp) for inp in self.requests.values())
 
     def stats(self) -> dict[str, Any]:
-        ready = sum(inp.final for inp in self.requests.values())
+        ready = sum(self.ready(inp) for inp in self.requests.values())
         return {"num_running": ready, "num_waiting": len(self.requests) - ready, "num_steps": self.num_steps}
 
     def step(self) -> list[StageOutput]:
-        batch = [inp for inp in self.requests.values() if inp.final][: self.max_num_seqs]
+        batch = [inp for inp in self.requests.values() if self.ready(inp)][: self.max_num_seqs]
         if not batch:
             return []
-        for inp in batch:
-            del self.requests[inp.request_id]
         self.num_steps += 1
         try:
             results = self.model.generate(batch)
         except Exception as exc:  # a failed batch fails its requests, not the stage
             logger.exception("stage %s: step failed", self.name)
+            for inp in batch:
+                del self.requests[inp.request_id]
             status = exc.status if isinstance(exc, OmniError) else 500
             return [StageOutput(inp.request_id, self.name, finished=True, finish_reason="error",
                                 error=f"stage {self.name!r} failed: {exc}", error_status=status) for inp in batch]
-        return [StageOutput(inp.request_id, self.name, tensors=tensors, finished=True, finish_reason="stop")
-                for inp, tensors in zip(batch, results, strict=True)]
+        outputs = []
+        for inp, (tensors, finished) in zip(batch, results, strict=True):
+            if finished:
+                del self.requests[inp.request_id]
+            outputs.append(StageOutput(inp.request_id, self.name, tensors=tensors, finished=finished,
+                                       finish_reason="stop" if finished else None))
+        return outputs
 
     def shutdown(self) -> None:
         self.requests.clear()

@@ -5,6 +5,7 @@ Requests for text only never touch the talker or token2wav. See models.py for wh
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from omnistage.config.deploy import DeployConfig
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.generation.engine import GenerationEngine
 from omnistage.engine.types import StageInput, StageOutput
-from omnistage.errors import RequestError
+from omnistage.errors import ConfigError, RequestError
 from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
 from omnistage.families.causal_lm import TextPipeline, ar_engine
@@ -127,8 +128,8 @@ class OmniPipeline(TextPipeline):
             return ar_engine(stage, cfg, model, talker_cfg, None, eos)
         if stage == "token2wav":
             t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev)
-            return GenerationEngine(stage, models.Token2Wav(t2w, models.load_voices(self.model_path), dev),
-                                    cfg.max_num_seqs)
+            decoder = models.Token2Wav(t2w, models.load_voices(self.model_path), dev, **token2wav_options(cfg.options))
+            return GenerationEngine(stage, decoder, cfg.max_num_seqs)
         raise KeyError(stage)
 
     def to_output(self, stage: str, out: StageOutput) -> OmniOutput:
@@ -179,13 +180,34 @@ def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOu
 
 
 def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:
-    if not out.finished:
-        return None
+    """Codes (without the talker's stop codes) for token2wav: all at the end, or as they come when the
+    token2wav stage decodes in windows."""
     cfg = pipeline.config.talker_config
     stop = {cfg.tts_codec_pad_token_id, cfg.tts_codec_end_token_id}
     codes = [c for c in out.token_ids if c not in stop]
-    return StageInput(out.request_id, codes, params={"voice": request.options["voice"],
-                                                     "seed": request.options.get("seed", 0)})
+    if not codes and not out.finished:
+        return None
+    params = {"voice": request.options["voice"], "seed": request.options.get("seed", 0)}
+    return StageInput(out.request_id, codes, params=params, final=out.finished)
+
+
+TOKEN2WAV_OPTIONS = {
+    "window": "codes per streamed audio chunk; 0 decodes the whole utterance at the end",
+    "left": "codes of left context each window is decoded with",
+    "right": "codes of look-ahead each window waits for",
+    "vocoder_context": "mel frames of context on each side of a window for the vocoder",
+    "num_steps": "flow-matching ODE steps",
+}
+
+
+def token2wav_options(options: dict[str, Any]) -> dict[str, Any]:
+    for key in options:
+        if key not in TOKEN2WAV_OPTIONS:
+            close = difflib.get_close_matches(key, list(TOKEN2WAV_OPTIONS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"stages.token2wav.options.{key}: unknown option{hint} "
+                              f"(valid: {', '.join(TOKEN2WAV_OPTIONS)})")
+    return dict(options)
 
 
 class Qwen25OmniFamily:
@@ -209,7 +231,8 @@ class Qwen25OmniFamily:
         pipeline = OmniPipeline(info.path, deploy, stages)
         pipeline.edges = [
             Edge("thinker", "talker", lambda r, o: thinker_to_talker(pipeline, r, o)),
-            Edge("talker", "token2wav", lambda r, o: talker_to_token2wav(pipeline, r, o), streamed=False),
+            Edge("talker", "token2wav", lambda r, o: talker_to_token2wav(pipeline, r, o),
+                 streamed=bool(token2wav_options(deploy.stage("token2wav").options).get("window"))),
         ]
         pipeline.config = Qwen2_5OmniConfig.from_pretrained(info.path)
         pipeline.processor = Qwen2_5OmniProcessor.from_pretrained(info.path)

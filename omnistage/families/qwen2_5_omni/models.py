@@ -167,30 +167,73 @@ class TalkerLM(hf.HFCausalLM):
 
 
 class Token2Wav:
-    """Codes -> 24 kHz waveform per request, in fp32, seeded per request."""
+    """Codes -> 24 kHz waveform, in fp32, seeded per request.
+
+    With `window` codes > 0, audio is decoded while codes still arrive: each window is decoded with
+    `left` codes of context before it and `right` after it (the DiT attends a block or two ahead), and
+    the vocoder gets `vocoder_context` mel frames on each side. Every window draws its starting noise
+    from the same per-request noise the whole utterance would use, so windows differ from a one-shot
+    decode only by the context they see (tests bound the difference). `window == 0`: one shot at the end.
+    """
+
+    HOP = 240  # waveform samples per mel frame
 
     def __init__(self, model: nn.Module, voices: dict[str, dict[str, torch.Tensor]], device: torch.device,
+                 window: int = 0, left: int = 24, right: int = 12, vocoder_context: int = 16,
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
         self.model, self.voices, self.device = model, voices, device
+        self.window, self.left, self.right, self.vocoder_context = window, left, right, vocoder_context
         self.num_steps, self.guidance_scale, self.sway = num_steps, guidance_scale, sway_coefficient
+        self.dit = model.code2wav_dit_model
+
+    def ready(self, inp: StageInput) -> bool:
+        done = inp.params.get("emitted", 0)
+        return inp.final or (self.window > 0 and len(inp.token_ids) - done >= self.window + self.right)
 
     @torch.inference_mode()
-    def generate(self, inputs: list[StageInput]) -> list[dict[str, torch.Tensor]]:
-        return [{"audio": self._decode(inp)} for inp in inputs]
+    def generate(self, inputs: list[StageInput]) -> list[tuple[dict[str, torch.Tensor], bool]]:
+        return [self._next_audio(inp) for inp in inputs]
 
-    def _decode(self, inp: StageInput) -> torch.Tensor:
-        codes = torch.tensor([inp.token_ids], device=self.device)
-        if codes.shape[1] == 0:
-            return torch.zeros(0)
+    def _noise(self, inp: StageInput, frames: int) -> torch.Tensor:
+        """The request's starting noise for its first `frames` mel frames, drawn once, extended as needed."""
+        p = inp.params
+        if "generator" not in p:
+            p["generator"] = torch.Generator().manual_seed(p.get("seed") or 0)
+            p["noise"] = torch.zeros(0, self.dit.mel_dim)
+        if frames > len(p["noise"]):
+            more = torch.randn((frames - len(p["noise"]), self.dit.mel_dim), generator=p["generator"])
+            p["noise"] = torch.cat([p["noise"], more])
+        return p["noise"][:frames]
+
+    def _next_audio(self, inp: StageInput) -> tuple[dict[str, torch.Tensor], bool]:
+        codes, done = inp.token_ids, inp.params.get("emitted", 0)
+        if not self.window or (inp.final and done == 0):
+            start, keep_end, end = 0, len(codes), len(codes)  # the whole utterance at once
+        else:
+            block = max(1, self.dit.block_size // self.dit.repeats)  # DiT attention blocks, in codes
+            start = max(0, done - self.left) // block * block
+            keep_end = len(codes) if inp.final else done + self.window
+            end = min(len(codes), keep_end + self.right)
+        if keep_end <= done:
+            return {"audio": torch.zeros(0)}, inp.final
+        mel = self._mel(inp, codes, start, end)  # [1, mel_dim, frames of codes start..end]
+        r = self.dit.repeats
+        lo = max(done * r - self.vocoder_context, start * r)
+        hi = min(keep_end * r + self.vocoder_context, end * r)
+        wave = self.model.code2wav_bigvgan_model(mel[:, :, lo - start * r : hi - start * r]).reshape(-1).float()
+        first = (done * r - lo) * self.HOP
+        audio = wave[first : first + (keep_end - done) * r * self.HOP].cpu()
+        inp.params["emitted"] = keep_end
+        return {"audio": audio}, inp.final and keep_end == len(codes)
+
+    def _mel(self, inp: StageInput, codes: list[int], start: int, end: int) -> torch.Tensor:
         voice = self.voices[inp.params["voice"]]
-        seed = inp.params.get("seed") or 0
-        dit = self.model.code2wav_dit_model
-        cond = voice["cond"].to(self.device).float()
-        ref_mel = voice["ref_mel"].to(self.device).float()
-        frames = codes.shape[1] * dit.repeats
-        noise = torch.randn((1, frames, dit.mel_dim), generator=torch.Generator().manual_seed(seed)).to(self.device)
-        mel = _flow_matching(dit, noise, cond, ref_mel, codes, self.num_steps, self.guidance_scale, self.sway)
-        return self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
+        r = self.dit.repeats
+        noise = self._noise(inp, end * r)[start * r :].unsqueeze(0).to(self.device)
+        return _flow_matching(self.dit, noise, voice["cond"].to(self.device).float(),
+                              voice["ref_mel"].to(self.device).float(),
+                              torch.tensor([codes[start:end]], device=self.device),
+                              self.num_steps, self.guidance_scale, self.sway)
 
 
 def _flow_matching(dit, noise, cond, ref_mel, codes, num_steps, guidance_scale, sway) -> torch.Tensor:

