@@ -182,3 +182,47 @@ def test_windowed_token2wav_streams_audio_close_to_one_shot(tiny_qwen2_5_omni: s
     assert len(chunks) >= 2 and streamed.shape == whole.audio.shape
     relative_rms = (streamed - whole.audio).pow(2).mean().sqrt() / whole.audio.pow(2).mean().sqrt()
     assert relative_rms < 0.03, relative_rms
+
+
+def test_abort_reaches_all_three_stages(tiny_qwen2_5_omni: str) -> None:
+    """A caller who leaves mid-speech frees the thinker's and talker's KV blocks and token2wav's state."""
+    import asyncio
+    import contextlib
+    import time
+
+    from omnistage import AsyncOmni
+    from omnistage.runtime.messages import OmniRequest
+
+    long = {"thinker": SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+            "talker": SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)}
+    engine = AsyncOmni(tiny_qwen2_5_omni, {"async_chunk": True, "stages": {
+        "*": {"max_model_len": 1024}, "token2wav": {"options": {"window": 8, "left": 8, "right": 4}}}})
+
+    async def leave_early() -> None:
+        request = OmniRequest(request_id="gone", messages=MESSAGES, stage_params=long,
+                              output_modalities=("text", "audio"), options={"voice": VOICE})
+        agen = engine.generate(request)
+        task = asyncio.ensure_future(agen.__anext__())
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            stats = engine.stats()
+            if stats["talker"]["kv_blocks_used"] and stats["thinker"]["kv_blocks_used"]:
+                break
+        assert stats["talker"]["kv_blocks_used"] > 0, stats
+        task.cancel()  # what a client disconnect does to the server's consumer
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(leave_early())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = engine.stats()
+            if all(s.get("kv_blocks_used", 0) == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
+                   for s in stats.values()):
+                break
+            time.sleep(0.05)
+        assert all(s.get("kv_blocks_used", 0) == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
+                   for s in stats.values()), stats
+    finally:
+        engine.shutdown()
