@@ -90,6 +90,8 @@ def decode_video(
         frames: list[np.ndarray] = []
         with _open(data, part) as container:  # pass 2: decode, keeping the wanted frames
             for index, frame in enumerate(container.decode(container.streams.video[0])):
+                if frame.width * frame.height > max_pixels:  # the header may not have told
+                    raise too_large(part, max_pixels)
                 if index in keep:
                     frames.append(frame.to_ndarray(format="rgb24"))
                 if index >= wanted[-1]:
