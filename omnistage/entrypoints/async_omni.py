@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,17 @@ class AsyncOmni:
         every stage."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[OmniOutput] = asyncio.Queue()
-        self.orchestrator.submit(request, lambda out: loop.call_soon_threadsafe(deltas.put_nowait, out))
+        sink = lambda out: loop.call_soon_threadsafe(deltas.put_nowait, out)
+        # Admission runs the family's preprocessing (media fetch and decode, HF processors): off the
+        # event loop. If the caller leaves meanwhile, the request is aborted once it is in.
+        admitted = asyncio.ensure_future(asyncio.to_thread(self.orchestrator.submit, request, sink))
+        try:
+            await asyncio.shield(admitted)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await admitted
+                self.orchestrator.abort(request.request_id)
+            raise
         finished = False
         try:
             while not finished:
