@@ -24,6 +24,7 @@ class AsyncOmni:
         self.tokenizer = self.pipeline.tokenizer
         self.max_model_len = self.pipeline.max_model_len
         self.output_modalities = self.pipeline.output_modalities
+        self.ar_stages = [s.name for s in self.pipeline.stages if s.kind == "ar"]
 
     @classmethod
     def from_model(cls, model: str | Path, deploy_config: str | Path | dict | DeployConfig | None = None,

@@ -75,6 +75,20 @@ def test_compressed_audio_formats(client: openai.OpenAI) -> None:
         assert rate == 24000 and abs(len(samples) - 12 * 2 * 240) <= 2000  # mp3 frames pad a little
 
 
+def test_per_stage_sampling_params(client: openai.OpenAI) -> None:
+    per_stage = [{"max_tokens": 4, "temperature": 0, "ignore_eos": True}, {"max_tokens": 6, "temperature": 0}]
+    out = client.chat.completions.create(
+        model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "pcm16"}, extra_body={"sampling_params_list": per_stage},
+    )
+    assert out.usage.completion_tokens == 4
+    assert len(base64.b64decode(out.choices[0].message.audio.data)) == 6 * 2 * 240 * 2
+    for bad, message in (([{}, {}, {}], "give 1 .* or 2"), ([{"temprature": 0}], "did you mean 'temperature'")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model="omni", messages=[{"role": "user", "content": "Hi"}],
+                                           extra_body={"sampling_params_list": bad})
+
+
 def test_image_part_and_errors(client: openai.OpenAI) -> None:
     from PIL import Image
 

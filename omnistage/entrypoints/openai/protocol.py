@@ -188,6 +188,9 @@ def seeded_copies(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
+    # omnistage extension: sampling params per AR stage, in pipeline order (e.g. [thinker, talker]);
+    # a one-element list applies to every AR stage. Fields as in SamplingParams.
+    sampling_params_list: list[dict[str, Any]] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import difflib
 import itertools
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -100,7 +101,32 @@ def chat_requests(engine: AsyncOmni, body: ChatCompletionRequest, rid: str) -> l
     params = _choice_params(engine, body)
     modalities = output_modalities(engine, body.modalities)
     options = {"voice": body.audio.voice, "audio_format": body.audio.format} if body.audio else {}
-    return _fan_out(rid, [{"messages": body.message_dicts()}], params, output_modalities=modalities, options=options)
+    requests = _fan_out(rid, [{"messages": body.message_dicts()}], params, output_modalities=modalities,
+                        options=options)
+    if body.sampling_params_list is not None:
+        per_stage = stage_sampling_params(engine, body.sampling_params_list)
+        for request in requests:
+            request.stage_params.update(per_stage)
+    return requests
+
+
+def stage_sampling_params(engine: AsyncOmni, entries: list[dict[str, Any]]) -> dict[str, SamplingParams]:
+    """`sampling_params_list` -> params by AR stage name (one entry: the same for every AR stage)."""
+    stages = engine.ar_stages
+    if len(entries) not in (1, len(stages)):
+        raise RequestError(f"sampling_params_list has {len(entries)} entries; give 1 (for every stage) or "
+                           f"{len(stages)} (for {', '.join(stages)})", "sampling_params_list")
+    valid = {f.name for f in fields(SamplingParams)}
+    out = {}
+    for i, stage in enumerate(stages):
+        entry = entries[0 if len(entries) == 1 else i]
+        unknown = sorted(set(entry) - valid)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(valid), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise RequestError(f"sampling_params_list[{i}]: unknown field {unknown[0]!r}{hint}", "sampling_params_list")
+        out[stage] = SamplingParams(**entry)
+    return out
 
 
 def completion_requests(engine: AsyncOmni, body: CompletionRequest, rid: str) -> list[OmniRequest]:
