@@ -9,8 +9,14 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # Without a GPU, Triton kernels run in Triton's interpreter (must be set before triton is imported).
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tiny models on a 2-core machine: several stage threads (and worker processes, via the environment)
+# each spinning up intra-op threads only fight over the cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 from omnistage.testing import tiny_checkpoint  # noqa: E402
 
