@@ -19,8 +19,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from omnistage.testing import tiny_checkpoint  # noqa: E402
+from omnistage.testing.factory import CAUSAL_LM_ARCHS  # noqa: E402
 
-TINY_ARCHS = ["qwen2", "qwen3", "llama"]
+TINY_ARCHS = list(CAUSAL_LM_ARCHS)
 
 
 @pytest.fixture(scope="session")

@@ -18,12 +18,12 @@ from typing import Any
 import yaml
 
 from omnistage.errors import ConfigError, OmniError
+from omnistage.testing.factory import CAUSAL_LM_ARCHS
 
 EXIT_USAGE = 2
 
 # `serve` shortcut flags, each the deploy-config field it sets on every stage (`stages.*.<field>`).
 _STAGE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype")
-_TINY_ARCHS = ["qwen2", "qwen3", "llama"]
 
 
 def _fail(exc: BaseException) -> int:
@@ -205,11 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (tests, demos)")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", default="qwen2", choices=_TINY_ARCHS)
+    tiny.add_argument("--arch", default="qwen2", choices=CAUSAL_LM_ARCHS)
     tiny.set_defaults(func=_make_tiny)
 
     demo = sub.add_parser("demo", help="serve a tiny model and chat with it through the OpenAI client")
-    demo.add_argument("--arch", default="qwen2", choices=_TINY_ARCHS)
+    demo.add_argument("--arch", default="qwen2", choices=CAUSAL_LM_ARCHS)
     demo.add_argument("--port", type=int, default=0, help="0: any free port")
     demo.add_argument("--prompt", default="Tell me about the river in the old town.")
     demo.add_argument("--max-tokens", type=int, default=32)

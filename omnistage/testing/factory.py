@@ -91,12 +91,15 @@ def make_tokenizer(
     return out
 
 
+CAUSAL_LM_ARCHS = ("qwen2", "qwen3", "llama")  # what make_tiny_causal_lm builds
+
+
 def _config(arch: str, tokenizer: Any, overrides: dict[str, Any]) -> Any:
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
+    classes = dict(zip(CAUSAL_LM_ARCHS, (Qwen2Config, Qwen3Config, LlamaConfig), strict=True))
     if arch not in classes:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(classes)}")
+        raise ValueError(f"unknown arch {arch!r}; expected one of {list(CAUSAL_LM_ARCHS)}")
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     kwargs: dict[str, Any] = dict(
