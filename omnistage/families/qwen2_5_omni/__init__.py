@@ -48,12 +48,15 @@ class OmniPipeline(TextPipeline):
         messages, media = self._split_media(request, use_audio_in_video)
         if speech and messages[0].get("role") != "system":
             messages.insert(0, {"role": "system", "content": [{"type": "text", "text": SPEECH_SYSTEM_PROMPT}]})
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        batch = self.processor(
-            text=[text], audio=media.get("audio") or None, images=media.get("image") or None,
-            videos=media.get("video") or None, return_tensors="pt", padding=False,
-            use_audio_in_video=use_audio_in_video,
-        )
+        try:
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            batch = self.processor(
+                text=[text], audio=media.get("audio") or None, images=media.get("image") or None,
+                videos=media.get("video") or None, return_tensors="pt", padding=False,
+                use_audio_in_video=use_audio_in_video,
+            )
+        except (ValueError, TypeError, KeyError) as exc:  # the messages' shape or media, not the server
+            raise RequestError(f"could not prepare these messages for the model: {exc}", "messages") from None
         tensors = {k: v[0] if k == "input_ids" else v for k, v in batch.items() if isinstance(v, torch.Tensor)}
         ids = tensors.pop("input_ids").tolist()
         tensors.pop("attention_mask", None)
