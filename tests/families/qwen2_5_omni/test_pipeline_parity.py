@@ -226,3 +226,18 @@ def test_abort_reaches_all_three_stages(tiny_qwen2_5_omni: str) -> None:
                    for s in stats.values()), stats
     finally:
         engine.shutdown()
+
+
+def test_stages_in_their_own_processes_give_the_same_speech(tiny_qwen2_5_omni: str) -> None:
+    """The three stages as worker processes (payloads over shared memory), streamed between stages,
+    produce what the inline stages produce."""
+    params = {"thinker": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+              "talker": SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)}
+    outs = []
+    for backend, async_chunk in (("inline", False), ("process", True)):
+        deploy = {"worker_backend": backend, "async_chunk": async_chunk, "stages": {"*": {"max_model_len": 512}}}
+        with Omni(tiny_qwen2_5_omni, deploy) as omni:
+            outs.append(omni.generate([MESSAGES], params, ("text", "audio"), voice="Chelsie")[0])
+    inline, process = outs
+    assert process.error is None and process.token_ids == inline.token_ids
+    torch.testing.assert_close(process.audio, inline.audio)
