@@ -192,7 +192,20 @@ class Token2Wav:
 
     @torch.inference_mode()
     def generate(self, inputs: list[StageInput]) -> list[tuple[dict[str, torch.Tensor], bool]]:
-        return [self._next_audio(inp) for inp in inputs]
+        """One flow-matching run per group of same-length windows (and same voice shape): the DiT is
+        where the time goes, and it batches; each request's vocoder pass stays its own."""
+        plans = [self._plan(inp) for inp in inputs]
+        groups: dict[tuple, list[int]] = {}
+        for i, (inp, plan) in enumerate(zip(inputs, plans, strict=True)):
+            if plan is not None:
+                ref_shape = tuple(self.voices[inp.params["voice"]]["ref_mel"].shape)
+                groups.setdefault((plan[2] - plan[0], ref_shape), []).append(i)
+        mels: dict[int, torch.Tensor] = {}
+        for members in groups.values():
+            for i, mel in zip(members, self._mels([inputs[i] for i in members], [plans[i] for i in members]),
+                              strict=True):
+                mels[i] = mel
+        return [self._audio(inp, plan, mels.get(i)) for i, (inp, plan) in enumerate(zip(inputs, plans, strict=True))]
 
     def _noise(self, inp: StageInput, frames: int) -> torch.Tensor:
         """The request's starting noise for its first `frames` mel frames, drawn once, extended as needed."""
@@ -205,35 +218,40 @@ class Token2Wav:
             p["noise"] = torch.cat([p["noise"], more])
         return p["noise"][:frames]
 
-    def _next_audio(self, inp: StageInput) -> tuple[dict[str, torch.Tensor], bool]:
+    def _plan(self, inp: StageInput) -> tuple[int, int, int] | None:
+        """Codes to decode (start, end) and to keep audio for (up to keep_end); None: nothing new."""
         codes, done = inp.token_ids, inp.params.get("emitted", 0)
         if not self.window or (inp.final and done == 0):
-            start, keep_end, end = 0, len(codes), len(codes)  # the whole utterance at once
-        else:
-            block = max(1, self.dit.block_size // self.dit.repeats)  # DiT attention blocks, in codes
-            start = max(0, done - self.left) // block * block
-            keep_end = len(codes) if inp.final else done + self.window
-            end = min(len(codes), keep_end + self.right)
-        if keep_end <= done:
-            return {"audio": torch.zeros(0)}, inp.final
-        mel = self._mel(inp, codes, start, end)  # [1, mel_dim, frames of codes start..end]
+            return (0, len(codes), len(codes)) if codes else None  # the whole utterance at once
+        block = max(1, self.dit.block_size // self.dit.repeats)  # DiT attention blocks, in codes
+        start = max(0, done - self.left) // block * block
+        keep_end = len(codes) if inp.final else done + self.window
+        return (start, keep_end, min(len(codes), keep_end + self.right)) if keep_end > done else None
+
+    def _mels(self, inputs: list[StageInput], plans: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         r = self.dit.repeats
+        noise = torch.stack([self._noise(inp, end * r)[start * r :] for inp, (start, _, end) in zip(
+            inputs, plans, strict=True)]).to(self.device)
+        voices = [self.voices[inp.params["voice"]] for inp in inputs]
+        cond = torch.cat([v["cond"] for v in voices]).to(self.device).float()
+        ref_mel = torch.cat([v["ref_mel"] for v in voices]).to(self.device).float()
+        codes = torch.tensor([inp.token_ids[start:end] for inp, (start, _, end) in zip(inputs, plans, strict=True)],
+                             device=self.device)
+        mel = _flow_matching(self.dit, noise, cond, ref_mel, codes, self.num_steps, self.guidance_scale, self.sway)
+        return list(mel.split(1))
+
+    def _audio(self, inp: StageInput, plan: tuple[int, int, int] | None, mel: torch.Tensor | None
+               ) -> tuple[dict[str, torch.Tensor], bool]:
+        if plan is None:
+            return {"audio": torch.zeros(0)}, inp.final
+        (start, keep_end, end), done, r = plan, inp.params.get("emitted", 0), self.dit.repeats
         lo = max(done * r - self.vocoder_context, start * r)
         hi = min(keep_end * r + self.vocoder_context, end * r)
         wave = self.model.code2wav_bigvgan_model(mel[:, :, lo - start * r : hi - start * r]).reshape(-1).float()
         first = (done * r - lo) * self.HOP
-        audio = wave[first : first + (keep_end - done) * r * self.HOP].cpu()
         inp.params["emitted"] = keep_end
-        return {"audio": audio}, inp.final and keep_end == len(codes)
-
-    def _mel(self, inp: StageInput, codes: list[int], start: int, end: int) -> torch.Tensor:
-        voice = self.voices[inp.params["voice"]]
-        r = self.dit.repeats
-        noise = self._noise(inp, end * r)[start * r :].unsqueeze(0).to(self.device)
-        return _flow_matching(self.dit, noise, voice["cond"].to(self.device).float(),
-                              voice["ref_mel"].to(self.device).float(),
-                              torch.tensor([codes[start:end]], device=self.device),
-                              self.num_steps, self.guidance_scale, self.sway)
+        return {"audio": wave[first : first + (keep_end - done) * r * self.HOP].cpu()}, \
+            inp.final and keep_end == len(inp.token_ids)
 
 
 def _flow_matching(dit, noise, cond, ref_mel, codes, num_steps, guidance_scale, sway) -> torch.Tensor:

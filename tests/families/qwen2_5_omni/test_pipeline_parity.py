@@ -241,3 +241,32 @@ def test_stages_in_their_own_processes_give_the_same_speech(tiny_qwen2_5_omni: s
     inline, process = outs
     assert process.error is None and process.token_ids == inline.token_ids
     torch.testing.assert_close(process.audio, inline.audio)
+
+
+def test_token2wav_batches_same_length_requests(tiny_qwen2_5_omni: str) -> None:
+    """Requests whose codes have the same length share one flow-matching run; each gets what it would
+    alone (different voices and seeds included)."""
+    from pathlib import Path
+
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.engine.types import StageInput
+    from omnistage.families.qwen2_5_omni import models
+
+    path = Path(tiny_qwen2_5_omni)
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    decoder = models.Token2Wav(models.load_token2wav(path, config, torch.device("cpu")), models.load_voices(path),
+                               torch.device("cpu"))
+
+    def request(name: str, voice: str, seed: int, codes: list[int]) -> StageInput:
+        return StageInput(name, codes, params={"voice": voice, "seed": seed})
+
+    rng = torch.Generator().manual_seed(1)
+    specs = [("a", "Ethan", 0, torch.randint(0, 256, (14,), generator=rng).tolist()),
+             ("b", "Chelsie", 5, torch.randint(0, 256, (14,), generator=rng).tolist()),
+             ("c", "Ethan", 2, torch.randint(0, 256, (9,), generator=rng).tolist())]
+    alone = [decoder.generate([request(*s)])[0][0]["audio"] for s in specs]
+    together = [out["audio"] for out, _ in decoder.generate([request(*s) for s in specs])]
+    for a, b in zip(alone, together, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(alone[0], alone[1])
