@@ -21,8 +21,7 @@ from omnistage.media import (  # noqa: E402
     encode_audio,
     load_part,
 )
-
-from .media_files import Image, make_video, png_bytes, sf, sound_file, tone  # noqa: E402
+from omnistage.testing.media_files import Image, make_video, png_bytes, sf, sound_file, tone  # noqa: E402
 
 
 def b64(data: bytes) -> str:

@@ -13,8 +13,7 @@ for _module in ("torchvision", "soundfile", "soxr", "av", "PIL"):
     pytest.importorskip(_module, reason="needs the omni extra (pip install 'omnistage[omni]')")
 
 from omnistage.media import load_part  # noqa: E402
-
-from .media_files import Image, make_video, png_bytes, sound_file, tone  # noqa: E402
+from omnistage.testing.media_files import Image, make_video, png_bytes, sound_file, tone  # noqa: E402
 
 
 def _b64(data: bytes) -> str:

@@ -45,15 +45,14 @@ class OmniPipeline(TextPipeline):
         if speech and voice not in self.voices:
             raise RequestError(f"unknown voice {voice!r}; this model has {list(self.voices)}", "audio.voice")
         use_audio_in_video = bool(request.options.get("use_audio_in_video", False))
-        messages, media = self._split_media(request, use_audio_in_video)
+        messages, media, media_kwargs = self._split_media(request, use_audio_in_video)
         if speech and messages[0].get("role") != "system":
             messages.insert(0, {"role": "system", "content": [{"type": "text", "text": SPEECH_SYSTEM_PROMPT}]})
         try:
             text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             batch = self.processor(
                 text=[text], audio=media.get("audio") or None, images=media.get("image") or None,
-                videos=media.get("video") or None, return_tensors="pt", padding=False,
-                use_audio_in_video=use_audio_in_video,
+                videos=media.get("video") or None, return_tensors="pt", padding=False, **media_kwargs,
             )
         except (ValueError, TypeError, KeyError) as exc:  # the messages' shape or media, not the server
             raise RequestError(f"could not prepare these messages for the model: {exc}", "messages") from None
@@ -67,11 +66,17 @@ class OmniPipeline(TextPipeline):
         request.options["voice"] = voice
         return inp
 
-    def _split_media(self, request: OmniRequest, use_audio_in_video: bool) -> tuple[list[dict], dict[str, list]]:
-        """Messages with media parts turned into the template's placeholders, and the media in order.
-        A part may carry a decoded object ({"type": "image", "image": PIL image}, "audio": float32 array at
-        16 kHz, "video": Video) or be an OpenAI part (image_url, input_audio, audio_url, video_url)."""
+    def _split_media(
+        self, request: OmniRequest, use_audio_in_video: bool
+    ) -> tuple[list[dict], dict[str, list], dict[str, Any]]:
+        """Messages with media parts turned into the template's placeholders, the media in order, and the
+        processor arguments they need. A part may carry a decoded object ({"type": "image", "image": PIL
+        image}, "audio": float32 array at 16 kHz, "video": Video) or be an OpenAI part (image_url,
+        input_audio, audio_url, video_url). With `use_audio_in_video`, each video's sound track joins the
+        audio list and the processor is told which video it belongs to."""
         media: dict[str, list] = {kind: list(items) for kind, items in request.media.items()}
+        fps: list[float] = []
+        audio_of_video: list[int | None] = [None] * len(media.get("audio", []))
         limits = MediaLimits(max_bytes=self.deploy.limits.max_media_bytes)
         messages = []
         for i, message in enumerate(request.messages or [{"role": "user", "content": request.prompt or ""}]):
@@ -92,14 +97,22 @@ class OmniPipeline(TextPipeline):
                     parts.append(part)
                     continue
                 media.setdefault(kind, []).append(value.frames if kind == "video" else value)
-                if kind == "video" and use_audio_in_video:
-                    if value.audio is None:
-                        raise RequestError(f"messages[{i}].content[{j}]: use_audio_in_video is set but the video has "
-                                           "no audio track", "use_audio_in_video")
-                    media.setdefault("audio", []).append(value.audio)
+                if kind == "audio":
+                    audio_of_video.append(None)
+                if kind == "video":
+                    fps.append(value.fps)
+                    if use_audio_in_video:
+                        if value.audio is None:
+                            raise RequestError(f"messages[{i}].content[{j}]: use_audio_in_video is set but the "
+                                               "video has no audio track", "use_audio_in_video")
+                        media.setdefault("audio", []).append(value.audio)
+                        audio_of_video.append(len(media["video"]) - 1)
                 parts.append({"type": kind})
             messages.append({**message, "content": parts})
-        return messages, media
+        kwargs: dict[str, Any] = {"fps": fps[0]} if fps else {}  # media decoding samples every video alike
+        if use_audio_in_video and fps:
+            kwargs.update(load_audio_from_video=True, audio_from_video_indices=audio_of_video)
+        return messages, media, kwargs
 
     # ---- stage engines ---------------------------------------------------------------------------
 

@@ -270,3 +270,35 @@ def test_token2wav_batches_same_length_requests(tiny_qwen2_5_omni: str) -> None:
     for a, b in zip(alone, together, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(alone[0], alone[1])
+
+
+def test_video_with_its_audio_track_equals_transformers(tiny_qwen2_5_omni: str) -> None:
+    """A video part (data URL) with `use_audio_in_video`: frames and sound interleaved in M-RoPE time."""
+    import base64
+
+    from transformers import Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniProcessor
+
+    from omnistage.media import load_part
+    from omnistage.testing.media_files import make_video
+
+    part = {"type": "video_url", "video_url": {
+        "url": "data:video/mp4;base64," + base64.b64encode(make_video(frames=20, fps=10, size=(56, 56))).decode()}}
+    question = {"type": "text", "text": "What happens?"}
+    video = load_part(part, use_audio_in_video=True).value  # what omnistage decodes, fed to both sides
+    processor = Qwen2_5OmniProcessor.from_pretrained(tiny_qwen2_5_omni)
+    template = [{"role": "user", "content": [{"type": "video"}, question]}]
+    text = processor.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], videos=[video.frames], audio=[video.audio], fps=video.fps,
+                       load_audio_from_video=True, audio_from_video_indices=[0], return_tensors="pt")
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_qwen2_5_omni, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.thinker.generate(**inputs, use_audio_in_video=True, max_new_tokens=THINKER_TOKENS,
+                                     min_new_tokens=THINKER_TOKENS, do_sample=False)
+    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
+    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 1024}}}) as omni:
+        (got,) = omni.generate([[{"role": "user", "content": [part, question]}]],
+                               SamplingParams(max_tokens=THINKER_TOKENS, temperature=0, ignore_eos=True),
+                               use_audio_in_video=True)
+    assert got.error is None, got.error
+    assert got.num_prompt_tokens == inputs["input_ids"].shape[1]
+    assert got.token_ids == expected

@@ -1,5 +1,5 @@
-"""Real media files for the media tests, made with soundfile, Pillow and PyAV (tones, pictures, short videos).
-Test modules import this after `pytest.importorskip` of those packages (the omni extra)."""
+"""Real media files for tests, made with soundfile, Pillow and PyAV (tones, pictures, short videos).
+Needs the omni extra; test modules import it after `pytest.importorskip` of those packages."""
 
 from __future__ import annotations
 
