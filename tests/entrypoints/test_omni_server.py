@@ -110,3 +110,25 @@ def test_image_part_and_errors(client: openai.OpenAI) -> None:
     ok = client.chat.completions.create(model="omni", messages=[{"role": "user", "content": "Still there?"}],
                                         extra_body=SPEECH)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_oversized_requests_and_media_get_413(tiny_qwen2_5_omni: str) -> None:
+    from omnistage.entrypoints.async_omni import AsyncOmni
+
+    deploy = {"stages": {"*": {"max_model_len": 512}}, "limits": {"max_request_bytes": 4096, "max_media_bytes": 2048}}
+    engine = AsyncOmni.from_model(tiny_qwen2_5_omni, deploy, served_model_name="omni")
+    big_image = "data:image/png;base64," + base64.b64encode(b"\0" * 2600).decode()  # 2.6 KB of media, < 4 KB body
+    try:
+        with BackgroundServer(engine) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.APIStatusError, match="larger than the limit of 4096 bytes") as body_err:
+                client.chat.completions.create(model="omni", messages=[{"role": "user", "content": "x" * 5000}])
+            with pytest.raises(openai.APIStatusError, match="larger than the limit of 2048 bytes") as media_err:
+                client.chat.completions.create(model="omni", messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": big_image}}]}])
+            assert body_err.value.status_code == media_err.value.status_code == 413
+            ok = client.chat.completions.create(model="omni", messages=[{"role": "user", "content": "Hi"}],
+                                                extra_body=SPEECH)
+            assert ok.choices[0].message.content is not None
+    finally:
+        engine.shutdown()

@@ -24,8 +24,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from omnistage.config.deploy import LimitsConfig
 from omnistage.entrypoints.openai.metrics import router as metrics_router
 from omnistage.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,7 +49,7 @@ from omnistage.entrypoints.openai.serving import (
     render_chat,
     render_completion,
 )
-from omnistage.errors import OmniError
+from omnistage.errors import OmniError, RequestError
 from omnistage.runtime.messages import OmniOutput, OmniRequest
 
 if TYPE_CHECKING:
@@ -178,6 +179,39 @@ class BearerAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Refuse request bodies over the deploy config's `limits.max_request_bytes` with a 413, by the
+    declared length before reading anything, else while the body streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self) -> OmniError:
+        return RequestError(f"the request body is larger than the limit of {self.max_bytes} bytes; send less "
+                            "(e.g. smaller or fewer media items, or URLs instead of inline data)", status=413)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            exc = self._too_large()
+            await error_response(exc.status, exc.message, exc.type)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise self._too_large()
+            return message
+
+        await self.app(scope, counted, send)
 
 
 # ---------------------------------------------------------------- client disconnects
@@ -311,6 +345,8 @@ def build_app(engine: AsyncOmni, api_key: str | None = None) -> FastAPI:
     _install_error_handlers(app)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    deploy = getattr(getattr(engine, "pipeline", None), "deploy", None)
+    app.add_middleware(BodyLimit, max_bytes=(deploy.limits if deploy else LimitsConfig()).max_request_bytes)
     app.include_router(router)
     app.include_router(metrics_router)
     return app
