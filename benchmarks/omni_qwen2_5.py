@@ -1,0 +1,189 @@
+"""Qwen2.5-Omni speech serving vs HF transformers' sequential `generate`, in one process and one run.
+
+Workload (BENCHMARKING.md): a ~64-token prompt, 128 thinker tokens and 600 codec tokens (12 s of
+speech) per request; random weights from the real config with the released talker size, the talker kept
+on codec ids token2wav can embed, so both sides do the same work.
+
+- HF: `Qwen2_5OmniForConditionalGeneration.generate`, one request: end-to-end seconds (its only audio
+  packet arrives at the end) and RTF.
+- omnistage: `AsyncOmni` with streaming between stages and windowed token2wav: time to first audio
+  packet, end-to-end latency and RTF at concurrency 1, then request and audio throughput at 8 and 32.
+
+    python benchmarks/omni_qwen2_5.py --out omni.jsonl            # full size (GPU)
+    python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from omnistage import AsyncOmni, SamplingParams
+from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
+from omnistage.runtime.messages import OmniRequest
+
+SAMPLE_RATE = 24000
+PROMPT = "Please tell me, in a long and friendly story, everything you know about rivers, mountains and the sea."
+
+
+def released_config():
+    """The released 7B layout (HF's default thinker/token2wav) with the released talker size."""
+    from transformers import Qwen2_5OmniConfig
+
+    config = Qwen2_5OmniConfig()
+    talker = config.talker_config
+    talker.hidden_size, talker.intermediate_size, talker.num_hidden_layers = 896, 18944, 24
+    talker.num_attention_heads, talker.num_key_value_heads, talker.head_dim, talker.embedding_size = 12, 4, 128, 3584
+    return config
+
+
+def write_full_checkpoint(path: Path) -> Path:
+    """Random full-size weights plus our own tokenizer/processor files and two voices (text prompts only:
+    the tiny tokenizer's media token ids do not match the released config)."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from omnistage.testing.qwen2_5_omni import make_omni_tokenizer, save_processor
+
+    config = released_config()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen2_5OmniForConditionalGeneration(config)
+    torch.set_default_dtype(torch.float32)
+    model.save_pretrained(path)
+    make_omni_tokenizer(path)
+    save_processor(path)
+    t2w = config.token2wav_config
+    voices = {name: {"bos_token": bos, "cond": torch.randn(1, t2w.dit_config.enc_emb_dim),
+                     "ref_mel": torch.randn(1, 300, t2w.dit_config.mel_dim)}
+              for name, bos in (("Chelsie", 151870), ("Ethan", 151872))}
+    torch.save(voices, path / "spk_dict.pt")
+    return path
+
+
+def codec_limits(path: Path) -> tuple[int, int]:
+    from transformers import Qwen2_5OmniConfig
+
+    config = Qwen2_5OmniConfig.from_pretrained(path)
+    return config.token2wav_config.dit_config.num_embeds, config.talker_config.vocab_size
+
+
+def hf_reference(path: Path, thinker_tokens: int, codes: int, record) -> None:
+    from transformers import Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniProcessor
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.token2wav.float()
+    processor = Qwen2_5OmniProcessor.from_pretrained(path)
+    messages = [{"role": "system", "content": [{"type": "text", "text": SPEECH_SYSTEM_PROMPT}]},
+                {"role": "user", "content": PROMPT}]  # the same prompt omnistage builds for speech
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = processor(text=[text], return_tensors="pt")["input_ids"].to(device)
+    limit, vocab = codec_limits(path)
+    kw = dict(speaker="Chelsie", thinker_max_new_tokens=thinker_tokens, thinker_min_new_tokens=thinker_tokens,
+              thinker_do_sample=False, talker_max_new_tokens=codes, talker_min_new_tokens=codes,
+              talker_bad_words_ids=[[i] for i in range(limit, vocab)])
+    with torch.no_grad():
+        model.generate(input_ids=ids, **{**kw, "thinker_max_new_tokens": 4, "thinker_min_new_tokens": 4,
+                                         "talker_max_new_tokens": 8, "talker_min_new_tokens": 8})  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        _, wav = model.generate(input_ids=ids, **kw)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    audio = wav.numel() / SAMPLE_RATE
+    record(part="hf_generate_with_audio", prompt_tokens=ids.shape[1], thinker_tokens=thinker_tokens, codes=codes,
+           e2e_s=round(seconds, 3), first_audio_packet_s=round(seconds, 3), audio_s=round(audio, 3),
+           rtf=round(seconds / audio, 3))
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
+    request = OmniRequest(request_id=rid, messages=[{"role": "user", "content": PROMPT}], stage_params=params,
+                          output_modalities=("text", "audio"), options={"voice": "Chelsie"})
+    start = time.perf_counter()
+    first_audio, samples, prompt = None, 0, 0
+    async for out in engine.generate(request):
+        if out.error:
+            raise RuntimeError(out.error)
+        prompt = out.num_prompt_tokens or prompt
+        if out.audio is not None and out.audio.numel():
+            first_audio = first_audio or time.perf_counter() - start
+            samples += out.audio.numel()
+    e2e = time.perf_counter() - start
+    return {"ttfp": first_audio, "e2e": e2e, "audio": samples / SAMPLE_RATE, "prompt": prompt}
+
+
+def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record) -> None:
+    limit, vocab = codec_limits(path)
+    params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
+              "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
+                                       ignore_eos=True, bad_token_ids=list(range(limit, vocab)))}
+    deploy = {"async_chunk": True, "stages": {
+        "*": {"max_model_len": 2048, "max_num_seqs": max(concurrency)},
+        "token2wav": {"options": {"window": 25, "left": 25, "right": 12, "vocoder_context": 16}}}}
+    engine = AsyncOmni(path, deploy)
+    try:
+        async def wave(n: int) -> tuple[list[dict], float]:
+            start = time.perf_counter()
+            results = await asyncio.gather(*(one_request(engine, f"c{n}-{i}", params) for i in range(n)))
+            return results, time.perf_counter() - start
+
+        asyncio.run(wave(1))  # warm-up
+        for n in concurrency:
+            runs = [asyncio.run(wave(n)) for _ in range(3 if n == 1 else 1)]
+            results = [r for rs, _ in runs for r in rs]
+            wall = statistics.median(w for _, w in runs)
+            audio = sum(r["audio"] for r in runs[0][0])
+            record(part="omnistage", concurrency=n, requests=len(runs[0][0]), prompt_tokens=results[0]["prompt"],
+                   thinker_tokens=thinker_tokens, codes=codes,
+                   ttfp_s_median=round(statistics.median(r["ttfp"] for r in results), 3),
+                   e2e_s_median=round(statistics.median(r["e2e"] for r in results), 3),
+                   rtf_median=round(statistics.median(r["e2e"] / r["audio"] for r in results), 3),
+                   requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2))
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out")
+    ap.add_argument("--parts", default="ours,hf")
+    ap.add_argument("--concurrency", default="1,8,32")
+    args = ap.parse_args()
+
+    def record(**row) -> None:
+        row["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    if args.tiny:
+        from omnistage.testing import tiny_checkpoint
+
+        path, thinker_tokens, codes = tiny_checkpoint("qwen2_5_omni"), 16, 60
+    else:
+        path, thinker_tokens, codes = write_full_checkpoint(Path(tempfile.mkdtemp()) / "omni"), 128, 600
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    if "ours" in args.parts:
+        ours(path, thinker_tokens, codes, concurrency, record)
+    if "hf" in args.parts:
+        hf_reference(path, thinker_tokens, codes, record)
+
+
+if __name__ == "__main__":
+    main()
