@@ -123,7 +123,8 @@ def test_image_and_audio_input_equal_transformers(tiny_qwen2_5_omni: str) -> Non
 
 def test_parallel_requests_keep_their_own_audio(tiny_qwen2_5_omni: str) -> None:
     """Requests with different voices and lengths, run together, each equal their solo run."""
-    cases = [("Ethan", 6, 12), ("Chelsie", 9, 20), ("Ethan", 4, 16), ("Chelsie", 7, 10)]
+    cases = [("Ethan", 6, 12), ("Chelsie", 9, 20), ("Ethan", 4, 16), ("Chelsie", 7, 10),
+             ("Chelsie", 5, 12), ("Ethan", 8, 20), ("Chelsie", 3, 16), ("Ethan", 10, 8)]
 
     def params(thinker_len: int, codes: int) -> dict:
         return {"thinker": SamplingParams(max_tokens=thinker_len, temperature=0, ignore_eos=True),
