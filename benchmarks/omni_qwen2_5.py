@@ -119,9 +119,9 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
         if out.error:
             raise RuntimeError(out.error)
         prompt = out.num_prompt_tokens or prompt
-        if out.audio is not None and out.audio.numel():
+        if out.audio is not None and out.audio.size:
             first_audio = first_audio or time.perf_counter() - start
-            samples += out.audio.numel()
+            samples += out.audio.size
     e2e = time.perf_counter() - start
     return {"ttfp": first_audio, "e2e": e2e, "audio": samples / SAMPLE_RATE, "prompt": prompt}
 

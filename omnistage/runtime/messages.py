@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 from omnistage.engine.types import TokenLogprob
 from omnistage.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ class OmniOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    audio: torch.Tensor | None = None  # mono float samples
+    audio: np.ndarray | None = None  # mono float32 samples at `sample_rate`
     sample_rate: int | None = None
     images: list[Any] = field(default_factory=list)
     finished: bool = False
@@ -68,7 +68,7 @@ class OmniOutput:
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
         if later.audio is not None:
-            self.audio = later.audio if self.audio is None else torch.cat([self.audio, later.audio])
+            self.audio = later.audio if self.audio is None else np.concatenate([self.audio, later.audio])
             self.sample_rate = later.sample_rate
         self.images += later.images
         for attr in ("finished", "finish_reason", "error", "error_status", "metrics"):

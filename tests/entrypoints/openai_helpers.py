@@ -152,7 +152,7 @@ class FakeEngine:
         """With "audio" requested, every token comes with AUDIO_CHUNK samples of a ramp at 16 kHz."""
         if "audio" not in request.output_modalities:
             return {}
-        return {"audio": torch.linspace(-0.5, 0.5, AUDIO_CHUNK) * (k + 1) / 8, "sample_rate": 16000}
+        return {"audio": (torch.linspace(-0.5, 0.5, AUDIO_CHUNK) * (k + 1) / 8).numpy(), "sample_rate": 16000}
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -407,7 +407,7 @@ async def chat_chunks(
 
     def choice(i: int, out: OmniOutput) -> ChatChunkChoice | None:
         audio = None
-        if out.audio is not None and out.audio.numel():
+        if out.audio is not None and out.audio.size:
             audio = DeltaAudio(id=audio_ids[i], data=_b64(encode_audio(out.audio, out.sample_rate, "pcm16")))
         if not (out.text or out.token_ids or audio or out.finished):
             return None

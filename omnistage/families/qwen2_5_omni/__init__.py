@@ -150,7 +150,9 @@ class OmniPipeline(TextPipeline):
 
     def to_output(self, stage: str, out: StageOutput) -> OmniOutput:
         if stage == "token2wav":
-            return OmniOutput(out.request_id, audio=out.tensors.get("audio"), sample_rate=models.SAMPLE_RATE)
+            audio = out.tensors.get("audio")
+            return OmniOutput(out.request_id, audio=None if audio is None else audio.numpy(),
+                              sample_rate=models.SAMPLE_RATE)
         return super().to_output(stage, out)
 
     def talker_params(self, request: OmniRequest) -> SamplingParams:
