@@ -235,8 +235,9 @@ class Qwen25OmniFamily:
         return "Qwen2_5OmniForConditionalGeneration" in info.architectures
 
     def default_deploy(self, info: CheckpointInfo) -> dict[str, Any]:
-        # The talker's released sampling settings (transformers' generate defaults), up to ~80 s of speech.
-        talker = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "max_tokens": 4096}
+        # The talker's released sampling settings (transformers' generate defaults); it speaks until its
+        # end code or the end of its context (max_tokens None).
+        talker = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "max_tokens": None}
         return {"stages": {"talker": {"default_sampling_params": talker}}}
 
     def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> OmniPipeline:
