@@ -26,6 +26,9 @@ class OmniRequest:
     # Per-stage params by stage name; a stage not listed uses its deploy-config defaults.
     stage_params: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # voice, audio format, ...
+    # Scratch space of the model family for this request: what its preprocessing leaves for its
+    # handoffs, and what a streamed handoff carries from one delta to the next. Never the caller's.
+    pipeline_state: dict[str, Any] = field(default_factory=dict)
     arrival_time: float = field(default_factory=time.monotonic)
 
     def params_for(self, stage: str, default: SamplingParams | None = None) -> Any:

@@ -62,8 +62,8 @@ class OmniPipeline(TextPipeline):
         tensors["use_audio_in_video"] = torch.tensor(use_audio_in_video)
         inp = StageInput(request.request_id, ids, params=self.entry_params(request), tensors=tensors,
                          return_hidden_states=speech)
-        request.options["thinker_input"] = inp  # the talker's handoff needs the prompt and media layout
-        request.options["voice"] = voice
+        request.pipeline_state["thinker_input"] = inp  # the talker's handoff needs the prompt and media layout
+        request.pipeline_state["voice"] = voice
         return inp
 
     def _split_media(
@@ -165,8 +165,9 @@ def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOu
     """The thinker's reply, as states per computed token, becomes the talker's prompt and then its added
     rows. Streamed (`async_chunk`), the talker opens once the first reply token's states exist and gets
     each later row as the thinker computes it; otherwise `out` is the whole reply, at its end."""
-    thinker_inp: StageInput = request.options["thinker_input"]
-    feed = request.options.setdefault("talker_feed", {"embed": [], "last": [], "first_token": None, "open": False})
+    thinker_inp: StageInput = request.pipeline_state["thinker_input"]
+    feed = request.pipeline_state.setdefault("talker_feed", {"embed": [], "last": [], "first_token": None,
+                                                             "open": False})
     if out.hidden_states:
         feed["embed"].append(out.hidden_states["embed"])
         feed["last"].append(out.hidden_states["last"])
@@ -187,7 +188,7 @@ def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOu
         feed["open"] = True
         tensors.update({
             "prompt_ids": torch.tensor(thinker_inp.token_ids),
-            "voice_bos": torch.tensor(pipeline.voice_bos[request.options["voice"]]),
+            "voice_bos": torch.tensor(pipeline.voice_bos[request.pipeline_state["voice"]]),
             "first_token": torch.tensor(feed["first_token"]),
             **{k: thinker_inp.tensors[k] for k in _MEDIA_TENSORS if k in thinker_inp.tensors},
         })
@@ -205,7 +206,7 @@ def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: Stage
     codes = [c for c in out.token_ids if c not in stop]
     if not codes and not out.finished:
         return None
-    params = {"voice": request.options["voice"], "seed": request.options.get("seed", 0)}
+    params = {"voice": request.pipeline_state["voice"], "seed": request.options.get("seed", 0)}
     return StageInput(out.request_id, codes, params=params, final=out.finished)
 
 
