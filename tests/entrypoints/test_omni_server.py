@@ -47,6 +47,16 @@ def test_text_and_audio_answer(client: openai.OpenAI) -> None:
     assert message.audio.transcript == message.content and message.content is not None
 
 
+def test_n_choices_each_speak(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"], n=2,
+        audio={"voice": "Ethan", "format": "wav"}, extra_body=SPEECH,
+    )
+    first, second = (_wav_samples(c.message.audio.data)[1] for c in out.choices)
+    assert len(first) == len(second) == 12 * 2 * 240
+    assert np.array_equal(first, second)  # greedy, same voice and seed: the same speech, decoded twice
+
+
 def test_streamed_audio_chunks(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
