@@ -30,6 +30,7 @@ from transformers.initialization import no_init_weights
 from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
+from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 
 SAMPLE_RATE = 24000
 
@@ -64,7 +65,8 @@ class ThinkerLM(hf.HFCausalLM):
     """The thinker's text decoder, with its media encoders run when a request arrives."""
 
     def __init__(self, thinker: nn.Module):
-        super().__init__(thinker, thinker.config, decoder=thinker.model.language_model, lm_head=thinker.lm_head,
+        decoder = thinker.model.language_model
+        super().__init__(thinker, thinker.config, fused_forward(decoder), decoder=decoder, lm_head=thinker.lm_head,
                          plain_loop=True)
         for encoder in (thinker.model.audio_tower, thinker.model.visual):  # whole media items, not the paged cache
             encoder.config._attn_implementation = "sdpa"
@@ -103,6 +105,12 @@ class ThinkerLM(hf.HFCausalLM):
         return inp
 
 
+def fused_forward(decoder: nn.Module):
+    """The fused layer loop for these Qwen2-style decoders (M-RoPE is folded into cos/sin by their
+    rotary embedding), when their layers have the expected shape."""
+    return FusedDecoder(decoder).forward if FusedDecoder.supports(decoder) else None
+
+
 def _scatter(embeds: torch.Tensor, mask: torch.Tensor, features: torch.Tensor, kind: str) -> torch.Tensor:
     if int(mask.sum()) != features.shape[0]:
         raise RequestError(f"the prompt has {int(mask.sum())} {kind} placeholder tokens but the {kind} encoder "
@@ -116,8 +124,8 @@ class TalkerLM(hf.HFCausalLM):
     """The talker: codec-token decoder fed by the thinker's per-token states (see the module doc)."""
 
     def __init__(self, talker: nn.Module, thinker_rows: dict[int, torch.Tensor], media_token_ids: list[int]):
-        super().__init__(talker, talker.config, decoder=talker.model, lm_head=talker.codec_head,
-                         input_proj=talker.thinker_to_talker_proj, plain_loop=True)
+        super().__init__(talker, talker.config, fused_forward(talker.model), decoder=talker.model,
+                         lm_head=talker.codec_head, input_proj=talker.thinker_to_talker_proj, plain_loop=True)
         self.talker = talker
         self.text_rows = thinker_rows  # the thinker's embeddings of the voice bos / text eos / text pad ids
         self.media_token_ids = media_token_ids

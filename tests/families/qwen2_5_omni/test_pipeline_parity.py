@@ -305,3 +305,14 @@ def test_video_with_its_audio_track_equals_transformers(tiny_qwen2_5_omni: str) 
     assert got.error is None, got.error
     assert got.num_prompt_tokens == inputs["input_ids"].shape[1]
     assert got.token_ids == expected
+
+
+def test_thinker_and_talker_run_the_fused_layers(tiny_qwen2_5_omni: str) -> None:
+    """The parity tests above go through the fused forward (M-RoPE included): make sure it is in use."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from omnistage.families.qwen2_5_omni.models import fused_forward
+
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(tiny_qwen2_5_omni, dtype=torch.float32)
+    assert fused_forward(model.thinker.model.language_model) is not None
+    assert fused_forward(model.talker.model) is not None
