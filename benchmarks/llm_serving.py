@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.llm_throughput import qwen2_7b_config
+from benchmarks.llm_throughput import random_qwen2
 from omnistage.bench.serve import run_bench
 from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.entrypoints.openai.server import BackgroundServer
@@ -26,14 +26,9 @@ from omnistage.testing.factory import make_tokenizer
 
 
 def write_checkpoint(path: Path, tiny: bool) -> None:
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
-    config = qwen2_7b_config(tiny)
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config)
-    torch.set_default_dtype(torch.float32)
+    model, _ = random_qwen2(tiny)
     model.save_pretrained(path)
     GenerationConfig(eos_token_id=2).save_pretrained(path)
     make_tokenizer(path)

@@ -44,6 +44,20 @@ def qwen2_7b_config(tiny: bool):
                        rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
+def random_qwen2(tiny: bool) -> tuple[torch.nn.Module, object]:
+    """The benchmark model: the 7B architecture (or a tiny one) with seeded random bf16 weights on the GPU."""
+    from transformers import Qwen2ForCausalLM
+
+    config = qwen2_7b_config(tiny)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    return model, config
+
+
 class Recorder:
     def __init__(self, path: str | None):
         self.path = path
@@ -205,15 +219,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     record = Recorder(args.out)
-    from transformers import Qwen2ForCausalLM
-
-    config = qwen2_7b_config(args.tiny)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config).eval()
-    torch.set_default_dtype(torch.float32)
+    model, config = random_qwen2(args.tiny)
     vocab = config.vocab_size
     parts = args.parts.split(",")
     steps = []

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.llm_throughput import build_engine, prompts, qwen2_7b_config
+from benchmarks.llm_throughput import build_engine, prompts, random_qwen2
 from omnistage.engine.types import StageInput
 from omnistage.sampling_params import SamplingParams
 
@@ -44,15 +44,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    from transformers import Qwen2ForCausalLM
-
-    config = qwen2_7b_config(False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config).eval()
-    torch.set_default_dtype(torch.float32)
+    model, config = random_qwen2(tiny=False)
 
     engine = build_engine(model, config, max_num_seqs=8, util=0.5)
     graph = engine.runner.graphs[1][0]

@@ -178,23 +178,8 @@ async def bench_serve(
     }
 
 
-def run_bench(
-    base_url: str,
-    model: str | None = None,
-    num_prompts: int = 100,
-    concurrency: int | None = None,
-    request_rate: float = math.inf,
-    input_len: int = 128,
-    output_len: int = 128,
-    api_key: str | None = None,
-    seed: int = 0,
-    return_token_ids: bool = False,
-) -> dict[str, Any]:
-    """Send `num_prompts` streaming completions (at most `concurrency` in flight; Poisson arrivals at
-    `request_rate` req/s unless inf) and return the measurements as a JSON-ready dict."""
-    return asyncio.run(
-        bench_serve(
-            base_url, model, num_prompts, concurrency, request_rate, input_len, output_len, api_key, seed,
-            return_token_ids,
-        )
-    )
+def run_bench(base_url: str, model: str | None = None, **options: Any) -> dict[str, Any]:
+    """`bench_serve` from synchronous code: send `num_prompts` streaming completions (at most
+    `concurrency` in flight; Poisson arrivals at `request_rate` req/s unless inf) and return the
+    measurements as a JSON-ready dict. Options as for `bench_serve`."""
+    return asyncio.run(bench_serve(base_url, model, **options))
