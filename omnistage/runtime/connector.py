@@ -43,11 +43,13 @@ class Connector(Protocol):
 
 
 class InProcessConnector:
-    """Payloads stay Python objects in one process; `get` removes what it returns."""
+    """Payloads stay Python objects in one process; `get` removes what it returns. Also the keyed
+    mailbox the TCP connector files received payloads in."""
 
     def __init__(self) -> None:
         self._items: dict[Key, Any] = {}
         self._cond = threading.Condition()
+        self._closed = False
 
     def put(self, key: Key, payload: Any) -> None:
         with self._cond:
@@ -59,7 +61,7 @@ class InProcessConnector:
         with self._cond:
             while key not in self._items:
                 remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                if self._closed or (remaining is not None and remaining <= 0):
                     raise TimeoutError(f"no payload for {key} within {timeout}s")
                 self._cond.wait(remaining)
             return self._items.pop(key)
@@ -71,7 +73,9 @@ class InProcessConnector:
 
     def close(self) -> None:
         with self._cond:
+            self._closed = True
             self._items.clear()
+            self._cond.notify_all()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -222,9 +226,7 @@ class TcpConnector:
         self.address = f"tcp://{advertise or host}:{port}"
         self._push: zmq.Socket | None = None
         self._send_lock = threading.Lock()
-        self._items: dict[Key, list[zmq.Frame]] = {}
-        self._cond = threading.Condition()
-        self._closed = False
+        self._received = InProcessConnector()  # frames by key, until `get` takes them
         self._thread = threading.Thread(target=self._receive, name="tcp-connector", daemon=True)
         self._thread.start()
 
@@ -246,26 +248,14 @@ class TcpConnector:
             self._push.send_multipart(frames, copy=serialization.payload_nbytes(buffers) < 65536)
 
     def get(self, key: Key, timeout: float | None = None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while key not in self._items:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if self._closed or (remaining is not None and remaining <= 0):
-                    raise TimeoutError(f"no payload for {key} within {timeout}s")
-                self._cond.wait(remaining)
-            frames = self._items.pop(key)
+        frames = self._received.get(key, timeout)
         return serialization.unpack(frames[0].buffer, [f.buffer for f in frames[1:]])
 
     def cleanup(self, request_id: str) -> None:
-        with self._cond:
-            for key in [k for k in self._items if k[0] == request_id]:
-                del self._items[key]
+        self._received.cleanup(request_id)
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._items.clear()
-            self._cond.notify_all()
+        self._received.close()
         with self._send_lock:
             if self._push is not None:
                 self._push.close(linger=5000)  # what was put still reaches a live peer
@@ -279,10 +269,7 @@ class TcpConnector:
             except zmq.ZMQError:  # ETERM: closing
                 self._pull.close(linger=0)
                 return
-            key = tuple(msgspec.msgpack.decode(frames[0].bytes))
-            with self._cond:
-                self._items[key] = frames[1:]
-                self._cond.notify_all()
+            self._received.put(tuple(msgspec.msgpack.decode(frames[0].bytes)), frames[1:])
 
 
 _KEY_ENCODER = msgspec.msgpack.Encoder()
