@@ -9,7 +9,11 @@ on codec ids token2wav can embed, so both sides do the same work.
 - omnistage: `AsyncOmni` with streaming between stages and windowed token2wav: time to first audio
   packet, end-to-end latency and RTF at concurrency 1, then request and audio throughput at 8 and 32.
 
+Each omnistage row also carries, per stage, its engine steps and mean step time over that wave.
+omnistage runs with the one-GPU deploy config (configs/qwen2_5_omni/1gpu.yaml: a process per stage).
+
     python benchmarks/omni_qwen2_5.py --out omni.jsonl            # full size (GPU)
+    python benchmarks/omni_qwen2_5.py --checkpoint /tmp/omni      # write it once, reuse it later
     python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
 """
 
@@ -24,12 +28,14 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from omnistage import AsyncOmni, SamplingParams
 from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
 from omnistage.runtime.messages import OmniRequest
 
 SAMPLE_RATE = 24000
+DEPLOY = Path(__file__).resolve().parent.parent / "configs" / "qwen2_5_omni" / "1gpu.yaml"
 PROMPT = "Please tell me, in a long and friendly story, everything you know about rivers, mountains and the sea."
 
 
@@ -131,9 +137,15 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
                                        ignore_eos=True, bad_token_ids=list(range(limit, vocab)))}
-    deploy = {"async_chunk": True, "stages": {
-        "*": {"max_model_len": 2048, "max_num_seqs": max(concurrency)},
-        "token2wav": {"options": {"window": 25, "left": 25, "right": 12, "vocoder_context": 16}}}}
+    deploy = yaml.safe_load(DEPLOY.read_text())
+    for name in ("thinker", "talker"):
+        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency))
+    deploy["stages"]["token2wav"]["max_num_seqs"] = max(concurrency)
+    if not torch.cuda.is_available():
+        deploy.update(worker_backend="inline")
+        for stage in deploy["stages"].values():
+            stage.pop("devices", None)
+            stage.pop("gpu_memory_utilization", None)
     engine = AsyncOmni(path, deploy)
     try:
         async def wave(n: int) -> tuple[list[dict], float]:
@@ -143,7 +155,9 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
 
         asyncio.run(wave(1))  # warm-up
         for n in concurrency:
+            before = engine.stats()
             runs = [asyncio.run(wave(n)) for _ in range(3 if n == 1 else 1)]
+            after = engine.stats()
             results = [r for rs, _ in runs for r in rs]
             wall = statistics.median(w for _, w in runs)
             audio = sum(r["audio"] for r in runs[0][0])
@@ -152,9 +166,20 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    ttfp_s_median=round(statistics.median(r["ttfp"] for r in results), 3),
                    e2e_s_median=round(statistics.median(r["e2e"] for r in results), 3),
                    rtf_median=round(statistics.median(r["e2e"] / r["audio"] for r in results), 3),
-                   requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2))
+                   requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2),
+                   stages=stage_steps(before, after))
     finally:
         engine.shutdown()
+
+
+def stage_steps(before: dict, after: dict) -> dict:
+    """Per stage over a wave: engine steps and mean milliseconds per step."""
+    out = {}
+    for stage, stats in after.items():
+        steps = stats.get("steps", 0) - before[stage].get("steps", 0)
+        seconds = stats.get("step_seconds", 0.0) - before[stage].get("step_seconds", 0.0)
+        out[stage] = {"steps": steps, "ms_per_step": round(1000 * seconds / max(steps, 1), 3)}
+    return out
 
 
 def main() -> None:
@@ -163,6 +188,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--parts", default="ours,hf")
     ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
 
     def record(**row) -> None:
@@ -177,7 +203,10 @@ def main() -> None:
 
         path, thinker_tokens, codes = tiny_checkpoint("qwen2_5_omni"), 16, 60
     else:
-        path, thinker_tokens, codes = write_full_checkpoint(Path(tempfile.mkdtemp()) / "omni"), 128, 600
+        path = Path(args.checkpoint or Path(tempfile.mkdtemp()) / "omni")
+        if not (path / "config.json").is_file():
+            write_full_checkpoint(path)
+        thinker_tokens, codes = 128, 600
     concurrency = [int(c) for c in args.concurrency.split(",")]
     if "ours" in args.parts:
         ours(path, thinker_tokens, codes, concurrency, record)

@@ -204,8 +204,11 @@ class HFCausalLM:
         output_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         hidden = self._inputs(token_ids, embeds)
-        if self.fast_forward is not None and not output_layers:
-            return self.fast_forward(hidden, positions, attn), {}
+        num_layers = self.kv_spec.num_layers
+        if self.fast_forward is not None and set(output_layers) <= {0, num_layers}:
+            # the embeddings and the final states are the fast loop's own input and output
+            out = self.fast_forward(hidden, positions, attn)
+            return out, {i: hidden if i == 0 else out for i in output_layers}
         if self.plain_loop:
             return self._plain_forward(hidden, positions, attn, output_layers)
         out = self.decoder(

@@ -60,7 +60,8 @@ class AREngine:
         if not config.enable_chunked_prefill:
             max_batched = max(max_batched, config.max_model_len)
         self.runner = ModelRunner(
-            model, config.block_size, config.max_num_seqs, config.max_model_len, config.enforce_eager
+            model, config.block_size, config.max_num_seqs, config.max_model_len, config.enforce_eager,
+            graph_layers=tuple(sorted(set(config.hidden_state_layers.values()))),
         )
         activation_bytes = self.runner.profile(max_batched)
         num_blocks = plan_num_blocks(

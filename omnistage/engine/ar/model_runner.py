@@ -3,6 +3,8 @@
 Host-side bookkeeping (positions, slots, block tables) is built once per step from plain lists.
 On CUDA, steps where every sequence decodes one token replay a captured CUDA graph of the whole
 forward (plus the LM head) for the smallest batch-size bucket that fits; other steps run eagerly.
+The graphs also keep the hidden layers the engine may hand on (`graph_layers`) and, for models that
+declare `graph_embed_adds`, take per-row additions to the input embeddings (a talker's side input).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def _bucket_sizes(max_batch: int) -> list[int]:
 
 class ModelRunner:
     def __init__(
-        self, model: ARModel, block_size: int, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False
+        self, model: ARModel, block_size: int, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
+        graph_layers: tuple[int, ...] = (),
     ):
         self.model = model
         self.device = model.device
@@ -79,7 +82,9 @@ class ModelRunner:
         self.use_graphs = self.use_triton and not enforce_eager and getattr(model, "graph_safe", False)
         self.kv_cache: PagedKVCache | None = None
         self.pad_slot = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graph_layers = graph_layers
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]] = {}
+        self._dev_adds: torch.Tensor | None = None  # per-row embedding additions, when the model takes them
         self._input_slot = self._token_slot = 0
 
     # ---- memory ---------------------------------------------------------------------------
@@ -191,19 +196,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Sequence, int]], output_layers: tuple[int, ...] = ()) -> StepResult:
         p = self._pack(batch)
-        decode_only = len(p.ids) == len(batch)
-        plain_inputs = not (p.embed_rows or p.add_rows or p.rope_explicit)
-        if self.graphs and decode_only and plain_inputs and not output_layers and len(batch) <= self.max_num_seqs:
-            logits, argmax = self._replay(p)
+        if self._graph_fits(p, len(batch)) and set(output_layers) <= set(self.graph_layers):
+            logits, argmax, layers = self._replay(p)
+            hidden = {i: layers[i][: len(batch)].clone() for i in output_layers}  # the next replay overwrites
             if len(p.sample_rows) != len(batch):
                 rows = self._tensor(p.sample_rows)
                 logits, argmax = logits[rows], argmax[rows]
-            return StepResult(p.sample_rows, logits if p.sample_rows else None, {}, p.row_spans, argmax)
+            return StepResult(p.sample_rows, logits if p.sample_rows else None, hidden, p.row_spans, argmax)
         token_ids = self._tensor(p.ids)
         embeds = self._input_embeds(p, token_ids)
         hidden, layers = self.model.forward(token_ids, self._rope(p), self._metadata(p), embeds, output_layers)
         logits = self.model.compute_logits(hidden[self._tensor(p.last_rows)]) if p.last_rows else None
         return StepResult(p.sample_rows, logits, layers, p.row_spans)
+
+    def _graph_fits(self, p: _Packed, num_seqs: int) -> bool:
+        """A step a captured graph can run: one token per sequence, no replaced embeddings or explicit
+        multi-axis positions, additions only where the graphs take them."""
+        return (
+            bool(self.graphs) and len(p.ids) == num_seqs <= self.max_num_seqs
+            and not p.embed_rows and not p.rope_explicit and (not p.add_rows or self._dev_adds is not None)
+        )
 
     def _input_embeds(self, p: _Packed, token_ids: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings with per-position replacements and additions, or None if there are none."""
@@ -233,12 +245,12 @@ class ModelRunner:
         p = self._pack([(s, 1) for s in seqs])
         where = {id(s): i for i, s in enumerate(previous.seqs)} if previous else {}
         pending = [(i, where[id(s)]) for i, s in enumerate(seqs) if s.num_computed >= s.num_tokens]
-        if self.graphs and len(seqs) <= self.max_num_seqs:
-            _, argmax = self._replay(p, previous, pending)
+        if self._graph_fits(p, len(seqs)):
+            _, argmax, _ = self._replay(p, previous, pending)
         else:
             ids = self._tensor(p.ids)
             self._take_previous(ids, previous, pending)
-            hidden, _ = self.model.forward(ids, self._rope(p), self._metadata(p))
+            hidden, _ = self.model.forward(ids, self._rope(p), self._metadata(p), self._input_embeds(p, ids))
             argmax = self.model.compute_logits(hidden).argmax(dim=-1)
         launch = DecodeLaunch(seqs, argmax)
         if self.device.type == "cuda":
@@ -288,6 +300,9 @@ class ModelRunner:
         self._dev_long.copy_(self._host_long)
         self._dev_tables.copy_(self._host_tables)
         ids, positions, slots, seq_lens = self._dev_long
+        if getattr(self.model, "graph_embed_adds", False):
+            width = self.model.embed(ids[:1]).shape[-1]
+            self._dev_adds = torch.zeros(n, width, dtype=self.model.kv_spec.dtype, device=self.device)
         pool = None
         for size in reversed(sizes):
             meta = AttentionMetadata(
@@ -295,17 +310,19 @@ class ModelRunner:
                 seq_lens=seq_lens[:size], cu_seqlens_q=self._cu_q[: size + 1], max_query_len=1,
             )
 
-            def forward(size: int = size, meta: AttentionMetadata = meta) -> tuple[torch.Tensor, torch.Tensor]:
-                hidden, _ = self.model.forward(ids[:size], positions[:size], meta)
+            def forward(size: int = size, meta: AttentionMetadata = meta) -> tuple[torch.Tensor, ...]:
+                adds = self._dev_adds
+                embeds = self.model.embed(ids[:size]) + adds[:size] if adds is not None else None
+                hidden, layers = self.model.forward(ids[:size], positions[:size], meta, embeds, self.graph_layers)
                 logits = self.model.compute_logits(hidden)
-                return logits, logits.argmax(dim=-1)
+                return logits, logits.argmax(dim=-1), layers
 
             forward()  # warm up (Triton compiles, allocator settles) outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits, argmax = forward()
+                logits, argmax, layers = forward()
             pool = graph.pool()
-            self.graphs[size] = (graph, logits, argmax)
+            self.graphs[size] = (graph, logits, argmax, layers)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs",
                     len(sizes), sizes, time.perf_counter() - started)
@@ -319,7 +336,7 @@ class ModelRunner:
 
     def _replay(
         self, p: _Packed, previous: DecodeLaunch | None = None, pending: list[tuple[int, int]] = ()
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         n = len(p.ids)
         size = next(b for b in sorted(self.graphs) if b >= n)
         self._input_slot ^= 1
@@ -333,6 +350,11 @@ class ModelRunner:
         self._dev_long[:, :size].copy_(self._host_long[:, :size], non_blocking=True)
         self._dev_tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
         self._take_previous(self._dev_long[0], previous, list(pending))
-        graph, logits, argmax = self.graphs[size]
+        if self._dev_adds is not None:  # rows without an addition add zero, exactly
+            self._dev_adds[:size].zero_()
+            if p.add_rows:
+                values = torch.stack(p.add_values).to(device=self.device, dtype=self._dev_adds.dtype)
+                self._dev_adds.index_copy_(0, self._tensor(p.add_rows), values)
+        graph, logits, argmax, layers = self.graphs[size]
         graph.replay()
-        return logits[:n], argmax[:n]
+        return logits[:n], argmax[:n], layers

@@ -144,7 +144,8 @@ class OmniPipeline(TextPipeline):
             return ar_engine(stage, cfg, model, talker_cfg, None, eos)
         if stage == "token2wav":
             t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev)
-            decoder = models.Token2Wav(t2w, models.load_voices(self.model_path), dev, **token2wav_options(cfg.options))
+            decoder = models.Token2Wav(t2w, models.load_voices(self.model_path), dev, use_graphs=not cfg.enforce_eager,
+                                       **token2wav_options(cfg.options))
             return GenerationEngine(stage, decoder, cfg.max_num_seqs)
         raise KeyError(stage)
 

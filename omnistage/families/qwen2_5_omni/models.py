@@ -19,6 +19,7 @@ this reproduces stage by stage):
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
+
+logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 
@@ -123,6 +126,8 @@ def _scatter(embeds: torch.Tensor, mask: torch.Tensor, features: torch.Tensor, k
 class TalkerLM(hf.HFCausalLM):
     """The talker: codec-token decoder fed by the thinker's per-token states (see the module doc)."""
 
+    graph_embed_adds = True  # every decode step adds a thinker row: its CUDA graphs take the additions
+
     def __init__(self, talker: nn.Module, thinker_rows: dict[int, torch.Tensor], media_token_ids: list[int]):
         super().__init__(talker, talker.config, fused_forward(talker.model), decoder=talker.model,
                          lm_head=talker.codec_head, input_proj=talker.thinker_to_talker_proj, plain_loop=True)
@@ -182,17 +187,25 @@ class Token2Wav:
     the vocoder gets `vocoder_context` mel frames on each side. Every window draws its starting noise
     from the same per-request noise the whole utterance would use, so windows differ from a one-shot
     decode only by the context they see (tests bound the difference). `window == 0`: one shot at the end.
+
+    On CUDA the whole ODE solve (num_steps x 4 DiT passes) of each input shape is captured once as a
+    CUDA graph and replayed: launching its thousands of small kernels one by one costs more than running
+    them. Windows come in few shapes, so few graphs exist (at most `max_graphs`; others run eagerly).
     """
 
+    max_graphs = 32
     HOP = 240  # waveform samples per mel frame
 
     def __init__(self, model: nn.Module, voices: dict[str, dict[str, torch.Tensor]], device: torch.device,
                  window: int = 0, left: int = 24, right: int = 12, vocoder_context: int = 16,
-                 num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
+                 num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
+                 use_graphs: bool = True):
         self.model, self.voices, self.device = model, voices, device
         self.window, self.left, self.right, self.vocoder_context = window, left, right, vocoder_context
         self.num_steps, self.guidance_scale, self.sway = num_steps, guidance_scale, sway_coefficient
         self.dit = model.code2wav_dit_model
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor] | None] = {}
 
     def ready(self, inp: StageInput) -> bool:
         done = inp.params.get("emitted", 0)
@@ -245,8 +258,35 @@ class Token2Wav:
         ref_mel = torch.cat([v["ref_mel"] for v in voices]).to(self.device).float()
         codes = torch.tensor([inp.token_ids[start:end] for inp, (start, _, end) in zip(inputs, plans, strict=True)],
                              device=self.device)
-        mel = _flow_matching(self.dit, noise, cond, ref_mel, codes, self.num_steps, self.guidance_scale, self.sway)
-        return list(mel.split(1))
+        return list(self._solve(noise, cond, ref_mel, codes).split(1))
+
+    def _solve(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Flow matching for one batch of same-shape windows: a graph replay when one fits."""
+        solve = lambda *xs: _flow_matching(self.dit, *xs, self.num_steps, self.guidance_scale, self.sway)  # noqa: E731
+        if not self.use_graphs:
+            return solve(*inputs)
+        key = tuple(tuple(x.shape) for x in inputs)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(solve, inputs) if len(self.graphs) < self.max_graphs else None
+        if self.graphs[key] is None:
+            return solve(*inputs)
+        graph, static_inputs, static_out = self.graphs[key]
+        for static, x in zip(static_inputs, inputs, strict=True):
+            static.copy_(x)
+        graph.replay()
+        return static_out.clone()  # the next replay of this graph overwrites it
+
+    def _capture(self, solve, inputs: tuple[torch.Tensor, ...]):
+        static_inputs = [x.clone() for x in inputs]
+        try:
+            solve(*static_inputs)  # warm-up outside the capture (lazy init, allocator)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = solve(*static_inputs)
+        except RuntimeError:  # some op syncs with the host: this shape runs eagerly
+            logger.warning("token2wav: could not capture the flow-matching solve as a CUDA graph", exc_info=True)
+            return None
+        return graph, static_inputs, static_out
 
     def _audio(self, inp: StageInput, plan: tuple[int, int, int] | None, mel: torch.Tensor | None
                ) -> tuple[dict[str, torch.Tensor], bool]:
@@ -264,9 +304,8 @@ class Token2Wav:
 
 def _flow_matching(dit, noise, cond, ref_mel, codes, num_steps, guidance_scale, sway) -> torch.Tensor:
     """The DiT's ODE from `noise` (what transformers' DiT `sample` does, with the noise passed in so
-    each request is seeded on its own)."""
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-
+    each request is seeded on its own). RK4 over the time grid with the same arithmetic as transformers'
+    solver, minus its host-side time comparisons, so it can be captured in a CUDA graph."""
     cond = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
 
     def velocity(time_step: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -278,7 +317,15 @@ def _flow_matching(dit, noise, cond, ref_mel, codes, num_steps, guidance_scale, 
     times = torch.linspace(0, 1, num_steps, device=noise.device, dtype=cond.dtype)
     if sway is not None:
         times += sway * (torch.cos(torch.pi / 2 * times) - 1 + times)
-    return RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(times)[-1].permute(0, 2, 1)
+    state = noise
+    for start, end in zip(times[:-1], times[1:], strict=True):
+        dt = end - start
+        k1 = velocity(start, state)
+        k2 = velocity(start + dt * (1 / 3), state + dt * k1 * (1 / 3))
+        k3 = velocity(start + dt * (2 / 3), state + dt * (k2 - k1 * (1 / 3)))
+        k4 = velocity(end, state + dt * (k1 - k2 + k3))
+        state = state + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+    return state.permute(0, 2, 1)
 
 
 def load_token2wav(path: Path, config: Any, device: torch.device) -> nn.Module:
