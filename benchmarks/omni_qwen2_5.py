@@ -47,6 +47,8 @@ def released_config():
     talker = config.talker_config
     talker.hidden_size, talker.intermediate_size, talker.num_hidden_layers = 896, 18944, 24
     talker.num_attention_heads, talker.num_key_value_heads, talker.head_dim, talker.embedding_size = 12, 4, 128, 3584
+    if getattr(talker, "layer_types", None):  # one entry per layer, or the saved config does not load
+        talker.layer_types = talker.layer_types[:talker.num_hidden_layers]
     return config
 
 

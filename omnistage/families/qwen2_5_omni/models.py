@@ -242,11 +242,13 @@ class Token2Wav:
     def _plan(self, inp: StageInput) -> tuple[int, int, int] | None:
         """Codes to decode (start, end) and to keep audio for (up to keep_end); None: nothing new."""
         codes, done = inp.token_ids, inp.params.get("emitted", 0)
-        if not self.window or (inp.final and done == 0):
+        if not self.window:
             return (0, len(codes), len(codes)) if codes else None  # the whole utterance at once
+        # Windows fall where they would if codes came one by one, however many have arrived: the audio
+        # does not depend on timing (a request left with several windows at its end gets them one per step).
         block = max(1, self.dit.block_size // self.dit.repeats)  # DiT attention blocks, in codes
         start = max(0, done - self.left) // block * block
-        keep_end = len(codes) if inp.final else done + self.window
+        keep_end = min(len(codes), done + self.window)
         return (start, keep_end, min(len(codes), keep_end + self.right)) if keep_end > done else None
 
     def _mels(self, inputs: list[StageInput], plans: list[tuple[int, int, int]]) -> list[torch.Tensor]:

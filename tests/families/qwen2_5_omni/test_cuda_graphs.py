@@ -1,36 +1,75 @@
-"""CUDA graphs change no output: the thinker's decode graphs (which also keep the hidden states the
-talker needs), the talker's (which take its per-step embedding additions) and token2wav's captured
-flow-matching solves give the same text, codes and audio as eager execution. GPU only."""
+"""CUDA graphs change no output. GPU only.
+
+- The thinker's decode graphs (which also keep the hidden states the talker needs) and the talker's
+  (which take its per-step embedding additions) give the same text and codes as eager steps: with
+  token2wav eager in both runs, the audio is the same to the last bit.
+- token2wav's captured flow-matching solves, replayed for other requests (other voices and codes)
+  of the same window shapes, give the same audio as eager solves.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from omnistage import Omni, SamplingParams
+from omnistage.engine.types import StageInput
 
 pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchvision (installed by scripts/test)")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+WINDOWS = {"window": 8, "left": 8, "right": 4, "vocoder_context": 8}
 
 
-def test_cuda_graphs_keep_text_and_speech_unchanged(tiny_qwen2_5_omni: str) -> None:
+def test_ar_stage_graphs_keep_text_and_codes(tiny_qwen2_5_omni: str) -> None:
     prompts = [[{"role": "user", "content": f"Tell me about rivers, part {i}."}] for i in range(4)]
     params = [{"thinker": SamplingParams(max_tokens=6 + 3 * i, temperature=0, ignore_eos=True),
                "talker": SamplingParams(max_tokens=30 + 7 * i, temperature=0, repetition_penalty=1.05,
                                         ignore_eos=True)} for i in range(4)]
     results = {}
     for eager in (True, False):
+        stage = {"max_model_len": 512, "kv_cache_memory_gb": 0.25, "enforce_eager": eager}
         deploy = {"async_chunk": True, "worker_backend": "inline",
-                  "stages": {"*": {"max_model_len": 512, "kv_cache_memory_gb": 0.25, "enforce_eager": eager},
-                             "token2wav": {"options": {"window": 8, "left": 8, "right": 4, "vocoder_context": 8}}}}
+                  "stages": {"thinker": stage, "talker": stage,
+                             "token2wav": {"enforce_eager": True, "options": WINDOWS}}}
         with Omni(tiny_qwen2_5_omni, deploy) as omni:
             results[eager] = [omni.generate([p], ps, ("text", "audio"), voice=v)[0]
                               for p, ps, v in zip(prompts, params, ["Chelsie", "Ethan"] * 2, strict=True)]
-            together = omni.generate(prompts[:2], params[0], ("text", "audio"))  # a batch of two in every stage
-            results[eager] += together
+            results[eager] += omni.generate(prompts[:2], params[0], ("text", "audio"))  # batches of two
     for eager_out, graph_out in zip(results[True], results[False], strict=True):
         assert eager_out.error is None and graph_out.error is None
         assert graph_out.token_ids == eager_out.token_ids
         assert graph_out.audio.shape == eager_out.audio.shape and eager_out.audio.size > 0
-        np.testing.assert_allclose(graph_out.audio, eager_out.audio, rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(graph_out.audio, eager_out.audio)
+
+
+def test_token2wav_graph_replays_equal_eager_solves(tiny_qwen2_5_omni: str) -> None:
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.families.qwen2_5_omni import models
+
+    path, device = Path(tiny_qwen2_5_omni), torch.device("cuda")
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    model, voices = models.load_token2wav(path, config, device), models.load_voices(path)
+    generator = torch.Generator().manual_seed(0)
+    requests = [(voice, torch.randint(0, config.dit_config.num_embeds - 1, (n,), generator=generator).tolist())
+                for voice, n in (("Chelsie", 30), ("Ethan", 37), ("Ethan", 30))]
+
+    def stream(decoder: models.Token2Wav, voice: str, codes: list[int]) -> np.ndarray:
+        inp, chunks = StageInput("r", [], params={"voice": voice, "seed": 0}, final=False), []
+        for n in range(1, len(codes) + 1):
+            inp.token_ids, inp.final = codes[:n], n == len(codes)
+            if decoder.ready(inp):
+                ((tensors, _),) = decoder.generate([inp])
+                chunks.append(tensors["audio"].numpy())
+        return np.concatenate(chunks)
+
+    eager = models.Token2Wav(model, voices, device, use_graphs=False, **WINDOWS)
+    graphs = models.Token2Wav(model, voices, device, use_graphs=True, **WINDOWS)
+    for voice, codes in requests:
+        expected, got = stream(eager, voice, codes), stream(graphs, voice, codes)
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+    assert graphs.graphs and all(entry is not None for entry in graphs.graphs.values())
