@@ -47,22 +47,27 @@ def released_config():
     talker = config.talker_config
     talker.hidden_size, talker.intermediate_size, talker.num_hidden_layers = 896, 18944, 24
     talker.num_attention_heads, talker.num_key_value_heads, talker.head_dim, talker.embedding_size = 12, 4, 128, 3584
+    thinker = config.thinker_config
+    for name in ("audio_start_token_id", "audio_end_token_id", "vision_start_token_id", "vision_end_token_id",
+                 "position_id_per_seconds", "seconds_per_chunk"):  # in the released config.json, not the defaults
+        if getattr(thinker, name, None) is None:
+            setattr(thinker, name, getattr(talker, name))
     if getattr(talker, "layer_types", None):  # one entry per layer, or the saved config does not load
         talker.layer_types = talker.layer_types[:talker.num_hidden_layers]
     return config
 
 
-def write_full_checkpoint(path: Path) -> Path:
+def write_full_checkpoint(path: Path, config=None) -> Path:
     """Random full-size weights plus our own tokenizer/processor files and two voices (text prompts only:
     the tiny tokenizer's media token ids do not match the released config)."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     from omnistage.testing.qwen2_5_omni import make_omni_tokenizer, save_processor
 
-    config = released_config()
+    config = config or released_config()
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2_5OmniForConditionalGeneration(config)
     torch.set_default_dtype(torch.float32)
     model.save_pretrained(path)
