@@ -139,12 +139,48 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
     return {"ttfp": first_audio, "e2e": e2e, "audio": samples / SAMPLE_RATE, "prompt": prompt}
 
 
-def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record) -> None:
+def token2wav_windows(path: Path, record) -> None:
+    """token2wav alone: milliseconds per window (flow matching + vocoder) by window size and batch."""
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.engine.types import StageInput
+    from omnistage.families.qwen2_5_omni import models
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    model, voices = models.load_token2wav(path, config, device), models.load_voices(path)
+    limit = config.dit_config.num_embeds - 1
+
+    def run(decoder: models.Token2Wav, window: int, batch: int) -> float:
+        """One steady-state window (left context, window, look-ahead) for `batch` requests."""
+        done = decoder.left + window
+        inputs = [StageInput(f"r{i}", [i % limit] * (done + window + decoder.right),
+                             params={"voice": "Chelsie", "emitted": done}, final=False) for i in range(batch)]
+        start = time.perf_counter()
+        decoder.generate(inputs)
+        return time.perf_counter() - start
+
+    for window in (12, 24, 48, 96):
+        decoder = models.Token2Wav(model, voices, device, window=window)
+        for batch in (1, 8):
+            run(decoder, window, batch), run(decoder, window, batch)  # capture, warm
+            seconds = statistics.median(run(decoder, window, batch) for _ in range(5))
+            audio = batch * window * decoder.dit.repeats * decoder.HOP / SAMPLE_RATE
+            record(part="token2wav_window", window=window, left=decoder.left, right=decoder.right, batch=batch,
+                   ms_per_step=round(1000 * seconds, 2), audio_s_per_s=round(audio / seconds, 2))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
+         backend: str = "process") -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
                                        ignore_eos=True, bad_token_ids=list(range(limit, vocab)))}
     deploy = yaml.safe_load(DEPLOY.read_text())
+    deploy["worker_backend"] = backend
     for name in ("thinker", "talker"):
         deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency))
     deploy["stages"]["token2wav"]["max_num_seqs"] = max(concurrency)
@@ -168,7 +204,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             results = [r for rs, _ in runs for r in rs]
             wall = statistics.median(w for _, w in runs)
             audio = sum(r["audio"] for r in runs[0][0])
-            record(part="omnistage", concurrency=n, requests=len(runs[0][0]), prompt_tokens=results[0]["prompt"],
+            record(part="omnistage", backend=backend, concurrency=n, requests=len(runs[0][0]),
+                   prompt_tokens=results[0]["prompt"],
                    thinker_tokens=thinker_tokens, codes=codes,
                    ttfp_s_median=round(statistics.median(r["ttfp"] for r in results), 3),
                    e2e_s_median=round(statistics.median(r["e2e"] for r in results), 3),
@@ -193,7 +230,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out")
-    ap.add_argument("--parts", default="ours,hf")
+    ap.add_argument("--parts", default="ours,hf", help="any of t2w (token2wav windows alone), ours, hf")
+    ap.add_argument("--backends", default="process", help="omnistage worker backends to run, e.g. process,inline")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
@@ -215,8 +253,11 @@ def main() -> None:
             write_full_checkpoint(path)
         thinker_tokens, codes = 128, 600
     concurrency = [int(c) for c in args.concurrency.split(",")]
+    if "t2w" in args.parts:
+        token2wav_windows(path, record)
     if "ours" in args.parts:
-        ours(path, thinker_tokens, codes, concurrency, record)
+        for backend in args.backends.split(","):
+            ours(path, thinker_tokens, codes, concurrency, record, backend)
     if "hf" in args.parts:
         hf_reference(path, thinker_tokens, codes, record)
 

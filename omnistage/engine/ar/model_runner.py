@@ -319,7 +319,7 @@ class ModelRunner:
 
             forward()  # warm up (Triton compiles, allocator settles) outside the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 logits, argmax, layers = forward()
             pool = graph.pool()
             self.graphs[size] = (graph, logits, argmax, layers)

@@ -213,8 +213,9 @@ def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: Stage
 
 TOKEN2WAV_OPTIONS = {
     "window": "codes per streamed audio chunk; 0 decodes the whole utterance at the end",
-    "left": "codes of left context each window is decoded with",
-    "right": "codes of look-ahead each window waits for",
+    "first_window": "codes in the first chunk (smaller: audio starts sooner); default: window",
+    "left": "codes of left context each window is decoded with; default: what the DiT attends back to",
+    "right": "codes of look-ahead each window waits for; default: what the DiT attends ahead to",
     "vocoder_context": "mel frames of context on each side of a window for the vocoder",
     "num_steps": "flow-matching ODE steps",
 }

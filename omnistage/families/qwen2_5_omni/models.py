@@ -182,11 +182,11 @@ class TalkerLM(hf.HFCausalLM):
 class Token2Wav:
     """Codes -> 24 kHz waveform, in fp32, seeded per request.
 
-    With `window` codes > 0, audio is decoded while codes still arrive: each window is decoded with
-    `left` codes of context before it and `right` after it (the DiT attends a block or two ahead), and
-    the vocoder gets `vocoder_context` mel frames on each side. Every window draws its starting noise
-    from the same per-request noise the whole utterance would use, so windows differ from a one-shot
-    decode only by the context they see (tests bound the difference). `window == 0`: one shot at the end.
+    With `window` codes > 0, audio is decoded while codes still arrive (the first chunk may be smaller:
+    `first_window`): each window is decoded with `left` codes of context before it and `right` after it,
+    by default exactly what the DiT's block attention reaches, so block-aligned windows change nothing but
+    rounding; the vocoder gets `vocoder_context` mel frames on each side. Every window draws its starting
+    noise from the same per-request noise the whole utterance would use. `window == 0`: one shot at the end.
 
     On CUDA the whole ODE solve (num_steps x 4 DiT passes) of each input shape is captured once as a
     CUDA graph and replayed: launching its thousands of small kernels one by one costs more than running
@@ -197,19 +197,29 @@ class Token2Wav:
     HOP = 240  # waveform samples per mel frame
 
     def __init__(self, model: nn.Module, voices: dict[str, dict[str, torch.Tensor]], device: torch.device,
-                 window: int = 0, left: int = 24, right: int = 12, vocoder_context: int = 16,
-                 num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
-                 use_graphs: bool = True):
+                 window: int = 0, first_window: int | None = None, left: int | None = None,
+                 right: int | None = None, vocoder_context: int = 16, num_steps: int = 10,
+                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0, use_graphs: bool = True):
         self.model, self.voices, self.device = model, voices, device
-        self.window, self.left, self.right, self.vocoder_context = window, left, right, vocoder_context
-        self.num_steps, self.guidance_scale, self.sway = num_steps, guidance_scale, sway_coefficient
         self.dit = model.code2wav_dit_model
+        # The DiT attends within blocks of `block` codes, one block further back per look-backward layer
+        # and ahead per look-ahead layer: that much context makes a block-aligned window exact.
+        dit = self.dit.config
+        self.block = max(1, dit.block_size // dit.repeats)
+        self.left = self.block * len(dit.look_backward_layers) if left is None else left
+        self.right = self.block * len(dit.look_ahead_layers) if right is None else right
+        self.window, self.first_window = window, first_window or window
+        self.vocoder_context = vocoder_context
+        self.num_steps, self.guidance_scale, self.sway = num_steps, guidance_scale, sway_coefficient
         self.use_graphs = use_graphs and device.type == "cuda"
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor] | None] = {}
 
+    def _next_window(self, done: int) -> int:
+        return self.first_window if done == 0 else self.window
+
     def ready(self, inp: StageInput) -> bool:
         done = inp.params.get("emitted", 0)
-        return inp.final or (self.window > 0 and len(inp.token_ids) - done >= self.window + self.right)
+        return inp.final or (self.window > 0 and len(inp.token_ids) - done >= self._next_window(done) + self.right)
 
     @torch.inference_mode()
     def generate(self, inputs: list[StageInput]) -> list[tuple[dict[str, torch.Tensor], bool]]:
@@ -246,9 +256,8 @@ class Token2Wav:
             return (0, len(codes), len(codes)) if codes else None  # the whole utterance at once
         # Windows fall where they would if codes came one by one, however many have arrived: the audio
         # does not depend on timing (a request left with several windows at its end gets them one per step).
-        block = max(1, self.dit.block_size // self.dit.repeats)  # DiT attention blocks, in codes
-        start = max(0, done - self.left) // block * block
-        keep_end = min(len(codes), done + self.window)
+        start = max(0, done - self.left) // self.block * self.block
+        keep_end = min(len(codes), done + self._next_window(done))
         return (start, keep_end, min(len(codes), keep_end + self.right)) if keep_end > done else None
 
     def _mels(self, inputs: list[StageInput], plans: list[tuple[int, int, int]]) -> list[torch.Tensor]:
@@ -283,7 +292,8 @@ class Token2Wav:
         try:
             solve(*static_inputs)  # warm-up outside the capture (lazy init, allocator)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: stages in other threads keep running (and syncing) while this one captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 static_out = solve(*static_inputs)
         except RuntimeError:  # some op syncs with the host: this shape runs eagerly
             logger.warning("token2wav: could not capture the flow-matching solve as a CUDA graph", exc_info=True)
