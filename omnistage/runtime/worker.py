@@ -9,15 +9,12 @@ an error naming the stage, and reports its exit so the orchestrator can restart 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
-
-import torch
 
 from omnistage.engine.base import Engine
 from omnistage.engine.types import StageInput, StageOutput
@@ -150,18 +147,8 @@ class InFlight:
             ) for rid in ids])
 
 
-def own_cuda_stream(engine: Engine) -> torch.cuda.Stream | None:
-    """A CUDA stream for an inline stage on a GPU. Stages sharing a GPU in one process then run side by
-    side: one stage's long kernels (a whole diffusion solve) do not hold up another's short decode steps,
-    as they would on one stream (or, across processes, under the GPU's time slicing)."""
-    device = getattr(engine, "device", None)
-    if device is None or torch.device(device).type != "cuda":
-        return None
-    return torch.cuda.Stream(device)
-
-
 class InlineStageWorker:
-    """One engine, one thread of the server process, on its own CUDA stream when on a GPU."""
+    """One engine, one thread of the server process."""
 
     def __init__(self, stage: str, replica: int, engine: Engine, on_outputs: OutputCallback,
                  on_exit: ExitCallback | None = None):
@@ -170,7 +157,6 @@ class InlineStageWorker:
         self.on_exit = on_exit
         self._stats: dict[str, Any] = {}
         self.loop = EngineLoop(stage, engine, self._report)
-        self.stream = own_cuda_stream(engine)
         self._stopping = False
         self.thread = threading.Thread(target=self._run, name=f"stage-{stage}-{replica}", daemon=True)
         self.thread.start()
@@ -203,14 +189,11 @@ class InlineStageWorker:
 
     def _report(self, outputs: list[StageOutput], stats: dict[str, Any]) -> None:
         self._stats = stats
-        self.inflight.deliver(outputs)  # routes them: edges run here, on this stage's stream
-        if outputs and self.stream is not None:
-            self.stream.synchronize()  # what the edges made on the GPU is complete before others read it
+        self.inflight.deliver(outputs)
 
     def _run(self) -> None:
         try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                self.loop.run()
+            self.loop.run()
         except Exception as exc:
             logger.exception("stage %r replica %d crashed", self.stage, self.replica)
             why = f"{type(exc).__name__}: {exc}"

@@ -151,18 +151,7 @@ class AREngine:
         """Let the model complete its own inputs (run media encoders, compute rotary positions, compose
         embeddings from its own tables) on this stage's worker, never in the orchestrator."""
         prepare = getattr(self.runner.model, "prepare_input", None)
-        if prepare is None:
-            return inp
-        inp = prepare(inp, first)
-        if self.device.type == "cuda" and any(t.is_cuda for t in inp.tensors.values()):
-            # GPU inputs came from another stage (maybe on another stream) and are freed after this:
-            # finish reading them before they go
-            torch.cuda.current_stream(self.device).synchronize()
-        return inp
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
+        return prepare(inp, first) if prepare is not None else inp
 
     def _take_input(self, seq: Sequence, inp: StageInput, start: int) -> None:
         """Per-position extras of an input (or chunk) whose first token sits at `start`."""
