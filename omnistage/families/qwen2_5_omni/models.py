@@ -18,8 +18,10 @@ this reproduces stage by stage):
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,9 +186,9 @@ class Token2Wav:
 
     With `window` codes > 0, audio is decoded while codes still arrive (the first chunk may be smaller:
     `first_window`): each window is decoded with `left` codes of context before it and `right` after it,
-    by default exactly what the DiT's block attention reaches, so block-aligned windows change nothing but
-    rounding; the vocoder gets `vocoder_context` mel frames on each side. Every window draws its starting
-    noise from the same per-request noise the whole utterance would use. `window == 0`: one shot at the end.
+    by default the blocks the DiT's block attention reaches; the vocoder gets `vocoder_context` mel frames
+    on each side. Every window draws its starting noise from the same per-request noise the whole utterance
+    would use; tests bound the streamed audio's distance from a one-shot decode. `window == 0`: one shot.
 
     On CUDA the whole ODE solve (num_steps x 4 DiT passes) of each input shape is captured once as a
     CUDA graph and replayed: launching its thousands of small kernels one by one costs more than running
@@ -203,7 +205,7 @@ class Token2Wav:
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
         # The DiT attends within blocks of `block` codes, one block further back per look-backward layer
-        # and ahead per look-ahead layer: that much context makes a block-aligned window exact.
+        # and one further ahead per look-ahead layer: the default context is those blocks.
         dit = self.dit.config
         self.block = max(1, dit.block_size // dit.repeats)
         self.left = self.block * len(dit.look_backward_layers) if left is None else left
@@ -273,7 +275,8 @@ class Token2Wav:
 
     def _solve(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Flow matching for one batch of same-shape windows: a graph replay when one fits."""
-        solve = lambda *xs: _flow_matching(self.dit, *xs, self.num_steps, self.guidance_scale, self.sway)  # noqa: E731
+        solve = functools.partial(_flow_matching, self.dit, num_steps=self.num_steps,
+                                  guidance_scale=self.guidance_scale, sway=self.sway)
         if not self.use_graphs:
             return solve(*inputs)
         key = tuple(tuple(x.shape) for x in inputs)
@@ -287,7 +290,8 @@ class Token2Wav:
         graph.replay()
         return static_out.clone()  # the next replay of this graph overwrites it
 
-    def _capture(self, solve, inputs: tuple[torch.Tensor, ...]):
+    def _capture(self, solve: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]
+                 ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor] | None:
         static_inputs = [x.clone() for x in inputs]
         try:
             solve(*static_inputs)  # warm-up outside the capture (lazy init, allocator)
