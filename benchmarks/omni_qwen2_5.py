@@ -15,6 +15,8 @@ omnistage runs with the one-GPU deploy config (configs/qwen2_5_omni/1gpu.yaml: a
     python benchmarks/omni_qwen2_5.py --out omni.jsonl            # full size (GPU)
     python benchmarks/omni_qwen2_5.py --checkpoint /tmp/omni      # write it once, reuse it later
     python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
+
+token2wav alone (window sizes, batches, DiT precision): benchmarks/token2wav_windows.py.
 """
 
 from __future__ import annotations
@@ -139,40 +141,6 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
     return {"ttfp": first_audio, "e2e": e2e, "audio": samples / SAMPLE_RATE, "prompt": prompt}
 
 
-def token2wav_windows(path: Path, record) -> None:
-    """token2wav alone: milliseconds per window (flow matching + vocoder) by window size and batch."""
-    from transformers import Qwen2_5OmniConfig
-
-    from omnistage.engine.types import StageInput
-    from omnistage.families.qwen2_5_omni import models
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
-    model, voices = models.load_token2wav(path, config, device), models.load_voices(path)
-    limit = config.dit_config.num_embeds - 1
-
-    def run(decoder: models.Token2Wav, window: int, batch: int) -> float:
-        """One steady-state window (left context, window, look-ahead) for `batch` requests."""
-        done = decoder.left + window
-        inputs = [StageInput(f"r{i}", [i % limit] * (done + window + decoder.right),
-                             params={"voice": "Chelsie", "emitted": done}, final=False) for i in range(batch)]
-        start = time.perf_counter()
-        decoder.generate(inputs)
-        return time.perf_counter() - start
-
-    for window in (12, 24, 48, 96):
-        decoder = models.Token2Wav(model, voices, device, window=window)
-        for batch in (1, 8):
-            run(decoder, window, batch), run(decoder, window, batch)  # capture, warm
-            seconds = statistics.median(run(decoder, window, batch) for _ in range(5))
-            audio = batch * window * decoder.dit.repeats * decoder.HOP / SAMPLE_RATE
-            record(part="token2wav_window", window=window, left=decoder.left, right=decoder.right, batch=batch,
-                   ms_per_step=round(1000 * seconds, 2), audio_s_per_s=round(audio / seconds, 2))
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
          backend: str = "process") -> None:
     limit, vocab = codec_limits(path)
@@ -230,7 +198,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out")
-    ap.add_argument("--parts", default="ours,hf", help="any of t2w (token2wav windows alone), ours, hf")
+    ap.add_argument("--parts", default="ours,hf", help="ours, hf or both")
     ap.add_argument("--backends", default="process", help="omnistage worker backends to run, e.g. process,inline")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
@@ -253,8 +221,6 @@ def main() -> None:
             write_full_checkpoint(path)
         thinker_tokens, codes = 128, 600
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    if "t2w" in args.parts:
-        token2wav_windows(path, record)
     if "ours" in args.parts:
         for backend in args.backends.split(","):
             ours(path, thinker_tokens, codes, concurrency, record, backend)

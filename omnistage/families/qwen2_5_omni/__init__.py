@@ -143,7 +143,8 @@ class OmniPipeline(TextPipeline):
             eos = (talker_cfg.tts_codec_pad_token_id, talker_cfg.tts_codec_end_token_id)
             return ar_engine(stage, cfg, model, talker_cfg, None, eos)
         if stage == "token2wav":
-            t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev)
+            dit_dtype = torch.float32 if cfg.dtype == "auto" else getattr(torch, cfg.dtype)  # fp32 unless asked
+            t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev, dit_dtype)
             decoder = models.Token2Wav(t2w, models.load_voices(self.model_path), dev, use_graphs=not cfg.enforce_eager,
                                        **token2wav_options(cfg.options))
             return GenerationEngine(stage, decoder, cfg.max_num_seqs)

@@ -204,6 +204,7 @@ class Token2Wav:
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, use_graphs: bool = True):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
+        self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder stays in float32 whatever this is
         # The DiT attends within blocks of `block` codes, one block further back per look-backward layer
         # and one further ahead per look-ahead layer: the default context is those blocks.
         dit = self.dit.config
@@ -264,14 +265,15 @@ class Token2Wav:
 
     def _mels(self, inputs: list[StageInput], plans: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         r = self.dit.repeats
+        dtype = self.dit_dtype
         noise = torch.stack([self._noise(inp, end * r)[start * r :] for inp, (start, _, end) in zip(
-            inputs, plans, strict=True)]).to(self.device)
+            inputs, plans, strict=True)]).to(self.device, dtype)
         voices = [self.voices[inp.params["voice"]] for inp in inputs]
-        cond = torch.cat([v["cond"] for v in voices]).to(self.device).float()
-        ref_mel = torch.cat([v["ref_mel"] for v in voices]).to(self.device).float()
+        cond = torch.cat([v["cond"] for v in voices]).to(self.device, dtype)
+        ref_mel = torch.cat([v["ref_mel"] for v in voices]).to(self.device, dtype)
         codes = torch.tensor([inp.token_ids[start:end] for inp, (start, _, end) in zip(inputs, plans, strict=True)],
                              device=self.device)
-        return list(self._solve(noise, cond, ref_mel, codes).split(1))
+        return list(self._solve(noise, cond, ref_mel, codes).float().split(1))
 
     def _solve(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Flow matching for one batch of same-shape windows: a graph replay when one fits."""
@@ -344,12 +346,15 @@ def _flow_matching(dit, noise, cond, ref_mel, codes, num_steps, guidance_scale, 
     return state.permute(0, 2, 1)
 
 
-def load_token2wav(path: Path, config: Any, device: torch.device) -> nn.Module:
+def load_token2wav(path: Path, config: Any, device: torch.device, dit_dtype: torch.dtype = torch.float32
+                   ) -> nn.Module:
+    """token2wav in float32, its DiT optionally in a lower precision (the vocoder stays float32)."""
     from transformers import Qwen2_5OmniToken2WavModel
 
     with torch.device(device), no_init_weights():
         model = Qwen2_5OmniToken2WavModel._from_config(config, dtype=torch.float32)
     hf.load_weights(model, path, {"token2wav.": ""})
+    model.code2wav_dit_model.to(dit_dtype)
     return model.eval()
 
 

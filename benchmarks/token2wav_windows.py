@@ -1,0 +1,102 @@
+"""Qwen2.5-Omni's token2wav alone: time per streamed window by window size, batch and DiT precision.
+
+The released token2wav layout with random weights, built in memory (no checkpoint needed). Each step decodes
+one steady-state window per request (left context + window + look-ahead codes, flow matching replayed from a
+CUDA graph, then the vocoder) and reports milliseconds per step and seconds of audio per second. For each DiT
+dtype other than float32 it also reports the relative RMS distance of a 96-code one-shot decode from the
+float32 one (random weights: the speech a trained model makes may react differently).
+
+    python benchmarks/token2wav_windows.py --out t2w.jsonl              # GPU
+    python benchmarks/token2wav_windows.py --tiny                       # the tiny checkpoint's config (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from omnistage.engine.types import StageInput
+from omnistage.families.qwen2_5_omni import models
+
+CASES = [(24, 1), (48, 1), (96, 1), (48, 8), (48, 32)]  # (window codes, requests per step)
+
+
+def build(config, device: torch.device) -> tuple[torch.nn.Module, dict]:
+    from transformers import Qwen2_5OmniToken2WavModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2_5OmniToken2WavModel._from_config(config, dtype=torch.float32).eval()
+    dit = config.dit_config
+    voices = {"Chelsie": {"bos_token": 0, "cond": torch.randn(1, dit.enc_emb_dim),
+                          "ref_mel": torch.randn(1, 300, dit.mel_dim)}}
+    return model, voices
+
+
+def step_seconds(decoder: models.Token2Wav, window: int, batch: int, limit: int) -> float:
+    done = decoder.left + window
+    inputs = [StageInput(f"r{i}", [(7 * i + j) % limit for j in range(done + window + decoder.right)],
+                         params={"voice": "Chelsie", "emitted": done}, final=False) for i in range(batch)]
+    if decoder.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    decoder.generate(inputs)  # returns audio on the host: the step is complete
+    return time.perf_counter() - start
+
+
+def one_shot(decoder: models.Token2Wav, limit: int) -> torch.Tensor:
+    codes = [(11 * j) % limit for j in range(96)]
+    ((tensors, _),) = decoder.generate([StageInput("ref", codes, params={"voice": "Chelsie", "seed": 0}, final=True)])
+    return tensors["audio"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    from transformers import Qwen2_5OmniConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tiny:
+        from omnistage.testing import tiny_checkpoint
+
+        config = Qwen2_5OmniConfig.from_pretrained(tiny_checkpoint("qwen2_5_omni")).token2wav_config
+    else:
+        config = Qwen2_5OmniConfig().token2wav_config  # the released token2wav layout
+    model, voices = build(config, device)
+    limit = config.dit_config.num_embeds - 1
+
+    def record(**row) -> None:
+        row["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    reference = None
+    for name in args.dtypes.split(","):  # float32 first: lower precisions are rounded from its weights
+        model.code2wav_dit_model.to(getattr(torch, name))
+        audio = one_shot(models.Token2Wav(model, voices, device), limit)
+        if reference is None:
+            reference = audio
+        else:
+            rms = ((audio - reference).pow(2).mean() / reference.pow(2).mean()).sqrt().item()
+            record(part="dit_precision", dit_dtype=name, relative_rms_vs_float32=round(rms, 5))
+        for window, batch in CASES:
+            decoder = models.Token2Wav(model, voices, device, window=window)
+            step_seconds(decoder, window, batch, limit)  # captures this shape's graph
+            seconds = statistics.median(step_seconds(decoder, window, batch, limit)
+                                        for _ in range(3 if batch < 32 else 1))
+            audio_s = batch * window * decoder.dit.repeats * decoder.HOP / models.SAMPLE_RATE
+            record(part="token2wav_window", dit_dtype=name, window=window, left=decoder.left, right=decoder.right,
+                   batch=batch, ms_per_step=round(1000 * seconds, 1), audio_s_per_s=round(audio_s / seconds, 2))
+
+
+if __name__ == "__main__":
+    main()
