@@ -36,6 +36,7 @@ class _RequestState:
     replica: dict[str, int] = field(default_factory=dict)  # stage -> replica serving it
     merged: dict[str, StageOutput] = field(default_factory=dict)  # src stage -> output so far (non-streamed edges)
     metrics: dict[str, StageMetrics] = field(default_factory=dict)
+    text_finish_reason: str | None = None  # why the text ended: what the caller's finish_reason reports
 
 
 class Orchestrator:
@@ -45,6 +46,7 @@ class Orchestrator:
         self.lock = threading.Lock()
         self.requests: dict[str, _RequestState] = {}
         self.edges_from = {s.name: [e for e in pipeline.edges if e.src == s.name] for s in pipeline.stages}
+        self.text_stages = {s.name for s in pipeline.stages if "text" in s.outputs}
         self.outputs_of = {s.name: set(s.outputs) for s in pipeline.stages}
         self.make_worker = make_worker
         self.workers: dict[str, list[StageWorker]] = {}
@@ -230,7 +232,10 @@ class Orchestrator:
             delta = self.pipeline.to_output(stage, out)
             if out.finished:
                 state.pending_outputs.discard(stage)
-                delta.finish_reason = out.finish_reason
+                if stage in self.text_stages:
+                    state.text_finish_reason = out.finish_reason
+                # the text's reason ("length" when max_tokens cut it) survives a later stage's own "stop"
+                delta.finish_reason = state.text_finish_reason or out.finish_reason
             if not state.pending_outputs:
                 self._finish(state, delta, abort=False)
             else:

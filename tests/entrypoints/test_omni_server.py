@@ -47,6 +47,16 @@ def test_text_and_audio_answer(client: openai.OpenAI) -> None:
     assert message.audio.transcript == message.content and message.content is not None
 
 
+def test_finish_reason_speaks_of_the_text(client: openai.OpenAI) -> None:
+    """max_tokens cut the text: "length", though the speech stages end with their own "stop" after it."""
+    kwargs = dict(model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
+                  audio={"voice": "Chelsie", "format": "pcm16"}, extra_body=SPEECH)
+    assert client.chat.completions.create(**kwargs).choices[0].finish_reason == "length"
+    reasons = [c.choices[0].finish_reason for c in client.chat.completions.create(**kwargs, stream=True)
+               if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["length"]
+
+
 def test_n_choices_each_speak(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"], n=2,
