@@ -25,8 +25,10 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -142,7 +144,7 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
 
 
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
-         backend: str = "process") -> None:
+         backend: str = "process", wave_timeout_s: float = 240.0) -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -157,11 +159,15 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
         for stage in deploy["stages"].values():
             stage.pop("devices", None)
             stage.pop("gpu_memory_utilization", None)
+    started = time.perf_counter()
     engine = AsyncOmni(path, deploy)
+    print(f"omnistage ({backend}) up in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
     try:
         async def wave(n: int) -> tuple[list[dict], float]:
+            print(f"wave of {n}", file=sys.stderr, flush=True)
             start = time.perf_counter()
-            results = await asyncio.gather(*(one_request(engine, f"c{n}-{i}", params) for i in range(n)))
+            requests = asyncio.gather(*(one_request(engine, f"c{n}-{i}", params) for i in range(n)))
+            results = await asyncio.wait_for(requests, wave_timeout_s)  # a stuck run reports instead of hanging
             return results, time.perf_counter() - start
 
         asyncio.run(wave(1))  # warm-up
@@ -172,7 +178,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             results = [r for rs, _ in runs for r in rs]
             wall = statistics.median(w for _, w in runs)
             audio = sum(r["audio"] for r in runs[0][0])
-            record(part="omnistage", backend=backend, concurrency=n, requests=len(runs[0][0]),
+            record(part="omnistage", backend=deploy["worker_backend"], concurrency=n, requests=len(runs[0][0]),
                    prompt_tokens=results[0]["prompt"],
                    thinker_tokens=thinker_tokens, codes=codes,
                    ttfp_s_median=round(statistics.median(r["ttfp"] for r in results), 3),
@@ -223,7 +229,11 @@ def main() -> None:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     if "ours" in args.parts:
         for backend in args.backends.split(","):
-            ours(path, thinker_tokens, codes, concurrency, record, backend)
+            try:
+                ours(path, thinker_tokens, codes, concurrency, record, backend)
+            except Exception as exc:  # one backend's failure still leaves the others and HF to measure
+                traceback.print_exc()
+                record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")
     if "hf" in args.parts:
         hf_reference(path, thinker_tokens, codes, record)
 
