@@ -144,7 +144,7 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
 
 
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
-         backend: str = "process", wave_timeout_s: float = 240.0) -> None:
+         backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto") -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -153,7 +153,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     deploy["worker_backend"] = backend
     for name in ("thinker", "talker"):
         deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency))
-    deploy["stages"]["token2wav"]["max_num_seqs"] = max(concurrency)
+    deploy["stages"]["token2wav"].update(max_num_seqs=max(concurrency), dtype=token2wav_dtype)
     if not torch.cuda.is_available():
         deploy.update(worker_backend="inline")
         for stage in deploy["stages"].values():
@@ -178,7 +178,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             results = [r for rs, _ in runs for r in rs]
             wall = statistics.median(w for _, w in runs)
             audio = sum(r["audio"] for r in runs[0][0])
-            record(part="omnistage", backend=deploy["worker_backend"], concurrency=n, requests=len(runs[0][0]),
+            record(part="omnistage", backend=deploy["worker_backend"], token2wav_dtype=token2wav_dtype,
+                   concurrency=n, requests=len(runs[0][0]),
                    prompt_tokens=results[0]["prompt"],
                    thinker_tokens=thinker_tokens, codes=codes,
                    ttfp_s_median=round(statistics.median(r["ttfp"] for r in results), 3),
@@ -206,6 +207,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--parts", default="ours,hf", help="ours, hf or both")
     ap.add_argument("--backends", default="process", help="omnistage worker backends to run, e.g. process,inline")
+    ap.add_argument("--token2wav-dtype", default="auto", help="the DiT's dtype: auto (float32) or bfloat16")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
@@ -230,7 +232,8 @@ def main() -> None:
     if "ours" in args.parts:
         for backend in args.backends.split(","):
             try:
-                ours(path, thinker_tokens, codes, concurrency, record, backend)
+                ours(path, thinker_tokens, codes, concurrency, record, backend,
+                     token2wav_dtype=args.token2wav_dtype)
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")
