@@ -171,7 +171,7 @@ BAD_CHAT = [
     ({"messages": CHAT, "max_tokens": 100000}, 400, ["max_tokens"]),
     ({"messages": CHAT, "max_tokens": 0}, 400, ["max_tokens"]),
     ({"messages": CHAT, "top_logprobs": 2}, 400, ["top_logprobs requires logprobs"]),
-    ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, 400, ["logprobs"]),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, 400, ["top_logprobs", "20"]),
     ({"messages": CHAT, "stop": [""]}, 400, ["stop"]),
     ({"messages": CHAT, "bogus": 1}, 400, ["unknown field 'bogus'"]),
     ({"messages": CHAT, "modalities": ["video"]}, 400, ["modalities"]),

@@ -194,7 +194,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     modalities: list[str] | None = None
     audio: AudioOptions | None = None
     # Accepted for client compatibility; rejected when they ask for something unsupported.
