@@ -9,7 +9,8 @@ on codec ids token2wav can embed, so both sides do the same work.
 - omnistage: `AsyncOmni` with streaming between stages and windowed token2wav: time to first audio
   packet, end-to-end latency and RTF at concurrency 1, then request and audio throughput at 8 and 32.
 
-Each omnistage row also carries, per stage, its engine steps and mean step time over that wave.
+Each omnistage row also carries, per stage, its engine steps and mean step time over that wave, and how
+long a listener playing the audio chunks as they arrive would have waited after the first one (stalls).
 omnistage runs with the one-GPU deploy config (configs/qwen2_5_omni/1gpu.yaml: a process per stage).
 
     python benchmarks/omni_qwen2_5.py --out omni.jsonl            # full size (GPU)
@@ -132,15 +133,20 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
                           output_modalities=("text", "audio"), options={"voice": "Chelsie"})
     start = time.perf_counter()
     first_audio, samples, prompt = None, 0, 0
+    playhead = stall = 0.0  # a listener playing chunks as they come: where playback is, and time it waited
     async for out in engine.generate(request):
         if out.error:
             raise RuntimeError(out.error)
         prompt = out.num_prompt_tokens or prompt
         if out.audio is not None and out.audio.size:
-            first_audio = first_audio or time.perf_counter() - start
+            now = time.perf_counter() - start
+            first_audio = first_audio or now
+            if samples and now > playhead:  # the previous chunks ran out before this one arrived
+                stall += now - playhead
+            playhead = max(playhead, now) + out.audio.size / SAMPLE_RATE
             samples += out.audio.size
     e2e = time.perf_counter() - start
-    return {"ttfp": first_audio, "e2e": e2e, "audio": samples / SAMPLE_RATE, "prompt": prompt}
+    return {"ttfp": first_audio, "e2e": e2e, "audio": samples / SAMPLE_RATE, "prompt": prompt, "stall": stall}
 
 
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
@@ -185,6 +191,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    ttfp_s_median=round(statistics.median(r["ttfp"] for r in results), 3),
                    e2e_s_median=round(statistics.median(r["e2e"] for r in results), 3),
                    rtf_median=round(statistics.median(r["e2e"] / r["audio"] for r in results), 3),
+                   playback_stall_s_median=round(statistics.median(r["stall"] for r in results), 3),
                    requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2),
                    stages=stage_steps(before, after))
     finally:
