@@ -99,6 +99,17 @@ def test_penalties_against_direct_formula() -> None:
     assert out[1, 3] == float("-inf")
 
 
+def test_cached_ban_masks_equal_the_scattered_ones() -> None:
+    """The sampler's per-set mask cache bans exactly what scattering the ids does, row by row."""
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    rows = [SampleRow(SamplingParams(), [], [], None, banned) for banned in ((1, 5, 15), (), (1, 5, 15))]
+    sampler = Sampler()
+    cached = apply_penalties(logits.clone(), rows, lambda b: sampler._ban_mask(b, 16, logits.device))
+    torch.testing.assert_close(cached, apply_penalties(logits.clone(), rows))
+    assert cached[0].isinf().nonzero().flatten().tolist() == [1, 5, 15] and not cached[1].isinf().any()
+    assert len(sampler._ban_masks) == 2  # one mask per distinct set
+
+
 def test_top_p_and_min_p_keep_the_right_tokens() -> None:
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log()

@@ -298,11 +298,14 @@ class AREngine:
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         params = seq.params
-        banned = set(params.bad_token_ids)
-        if seq.num_output_tokens < params.min_tokens:
-            banned |= self.eos_token_ids | set(params.stop_token_ids)
+        before_min = seq.num_output_tokens < params.min_tokens
+        if seq.banned is None or seq.banned[0] != before_min:  # changes once, when min_tokens is reached
+            banned = set(params.bad_token_ids)
+            if before_min:
+                banned |= self.eos_token_ids | set(params.stop_token_ids)
+            seq.banned = (before_min, tuple(sorted(banned)))
         return SampleRow(
-            params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator, sorted(banned)
+            params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator, seq.banned[1]
         )
 
     def _collect_hidden(

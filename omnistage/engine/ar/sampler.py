@@ -8,8 +8,10 @@ else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from omnistage.engine.types import TokenLogprob
@@ -22,17 +24,19 @@ class SampleRow:
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None
-    banned_ids: list[int]  # ids that may not be sampled yet (EOS / stop ids before min_tokens)
+    banned_ids: tuple[int, ...]  # ids that may not be sampled (bad ids; EOS / stop ids before min_tokens)
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged id lists as a padded [rows, width] tensor and its validity mask (built in NumPy: filling
+    from Python lists is several times faster there, and this runs every step)."""
     width = max(1, max(len(r) for r in rows))
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    valid = np.zeros((len(rows), width), dtype=bool)
     for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        ids[i, : len(r)] = r
         valid[i, : len(r)] = True
-    return ids.to(device), valid.to(device)
+    return torch.from_numpy(ids).to(device), torch.from_numpy(valid).to(device)
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -41,7 +45,11 @@ def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> to
     return counts.scatter_add_(1, ids, valid.float())
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, rows: list[SampleRow], ban_mask: Callable[[tuple[int, ...]], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Repetition / frequency / presence penalties, then banned ids to -inf. `ban_mask` maps a row's banned
+    ids to its [vocab] bool mask (a cache: the same few sets come back every step)."""
     device, vocab = logits.device, logits.shape[-1]
 
     def column(values: list[float]) -> torch.Tensor:
@@ -57,8 +65,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         logits = logits - column([r.params.frequency_penalty for r in rows]) * counts
         logits = logits - column([r.params.presence_penalty for r in rows]) * (counts > 0).float()
     if any(r.banned_ids for r in rows):
-        ids, valid = _padded([r.banned_ids for r in rows], device)
-        ban = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, valid)
+        if ban_mask is not None:
+            ban = torch.stack([ban_mask(tuple(r.banned_ids)) for r in rows])
+        else:
+            ids, valid = _padded([list(r.banned_ids) for r in rows], device)
+            ban = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, valid)
         logits = logits.masked_fill(ban, float("-inf"))
     return logits
 
@@ -87,9 +98,23 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 
 class Sampler:
+    max_cached_ban_masks = 256
+
     def __init__(self, seed: int = 0):
         self.generator: torch.Generator | None = None
         self.seed = seed
+        self._ban_masks: dict[tuple[tuple[int, ...], int, torch.device], torch.Tensor] = {}
+
+    def _ban_mask(self, banned: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+        key = (banned, vocab, device)
+        mask = self._ban_masks.get(key)
+        if mask is None:
+            if len(self._ban_masks) >= self.max_cached_ban_masks:
+                self._ban_masks.clear()
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[list(banned)] = True
+            mask = self._ban_masks[key] = mask.to(device)
+        return mask
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRow], argmax: torch.Tensor | None = None
@@ -100,7 +125,7 @@ class Sampler:
             return argmax.tolist(), [None] * len(rows)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
-        logits = apply_penalties(logits, rows)
+        logits = apply_penalties(logits, rows, lambda banned: self._ban_mask(banned, logits.shape[-1], logits.device))
         greedy_ids = logits.argmax(dim=-1)
         if all(r.params.greedy for r in rows):
             chosen = greedy_ids
@@ -145,4 +170,4 @@ class Sampler:
 
 def _as_unit_temperature(row: SampleRow) -> SampleRow:
     """Greedy rows ride through the sampling math with temperature 1 (their draw is discarded)."""
-    return SampleRow(row.params.with_overrides(temperature=1.0), [], [], None, [])
+    return SampleRow(row.params.with_overrides(temperature=1.0), [], [], None, ())

@@ -48,6 +48,7 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     hidden_sent: int = 0  # positions whose hidden states were already output
+    banned: tuple[bool, tuple[int, ...]] | None = None  # (before min_tokens?, ids the sampler may not pick)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
