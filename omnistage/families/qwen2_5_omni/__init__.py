@@ -147,6 +147,7 @@ class OmniPipeline(TextPipeline):
             t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev, dit_dtype)
             decoder = models.Token2Wav(t2w, models.load_voices(self.model_path), dev, use_graphs=not cfg.enforce_eager,
                                        **token2wav_options(cfg.options))
+            decoder.warm_up()
             return GenerationEngine(stage, decoder, cfg.max_num_seqs)
         raise KeyError(stage)
 

@@ -191,11 +191,14 @@ class Token2Wav:
     would use; tests bound the streamed audio's distance from a one-shot decode. `window == 0`: one shot.
 
     On CUDA the whole ODE solve (num_steps x 4 DiT passes) of each input shape is captured once as a
-    CUDA graph and replayed: launching its thousands of small kernels one by one costs more than running
-    them. Windows come in few shapes, so few graphs exist (at most `max_graphs`; others run eagerly).
+    CUDA graph and replayed: for a few windows, launching its thousands of small kernels one by one costs
+    more than running them. Larger batches keep the GPU busy anyway and run eagerly, so capturing (two
+    solves' time) never stalls a busy server; `warm_up` captures the single-request window shapes before
+    the first request. At most `max_graphs` exist.
     """
 
     max_graphs = 32
+    graph_max_batch = 4
     HOP = 240  # waveform samples per mel frame
 
     def __init__(self, model: nn.Module, voices: dict[str, dict[str, torch.Tensor]], device: torch.device,
@@ -216,6 +219,18 @@ class Token2Wav:
         self.num_steps, self.guidance_scale, self.sway = num_steps, guidance_scale, sway_coefficient
         self.use_graphs = use_graphs and device.type == "cuda"
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor] | None] = {}
+
+    def warm_up(self) -> None:
+        """Capture the graphs of one request's first and steady-state windows, for each voice's reference
+        length (no-op without graphs)."""
+        if not (self.use_graphs and self.window):
+            return
+        zeros = functools.partial(torch.zeros, device=self.device, dtype=self.dit_dtype)
+        voice_shapes = {(tuple(v["cond"].shape), tuple(v["ref_mel"].shape)) for v in self.voices.values()}
+        for codes in {self.first_window + self.right, self.left + self.window + self.right}:
+            for cond, ref_mel in voice_shapes:
+                self._solve(zeros(1, codes * self.dit.repeats, self.dit.mel_dim), zeros(*cond), zeros(*ref_mel),
+                            torch.zeros(1, codes, dtype=torch.long, device=self.device))
 
     def _next_window(self, done: int) -> int:
         return self.first_window if done == 0 else self.window
@@ -279,7 +294,7 @@ class Token2Wav:
         """Flow matching for one batch of same-shape windows: a graph replay when one fits."""
         solve = functools.partial(_flow_matching, self.dit, num_steps=self.num_steps,
                                   guidance_scale=self.guidance_scale, sway=self.sway)
-        if not self.use_graphs:
+        if not self.use_graphs or inputs[0].shape[0] > self.graph_max_batch:
             return solve(*inputs)
         key = tuple(tuple(x.shape) for x in inputs)
         if key not in self.graphs:

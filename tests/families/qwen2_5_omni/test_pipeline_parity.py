@@ -380,3 +380,34 @@ def test_token2wav_dtype_sets_the_dit_precision_only(tiny_qwen2_5_omni: str) -> 
     assert audio["bfloat16"].dtype == np.float32 and audio["bfloat16"].shape == audio["auto"].shape
     rms = np.sqrt(np.mean((audio["bfloat16"] - audio["auto"]) ** 2) / np.mean(audio["auto"] ** 2))
     assert 0 < rms < 0.15, rms
+
+
+def test_token2wav_warm_up_covers_the_window_shapes(tiny_qwen2_5_omni: str) -> None:
+    """warm_up prepares exactly the solve shapes a streamed request's first and middle windows use (its
+    last window may be shorter). CUDA graph capture itself needs a GPU (tests/.../test_cuda_graphs.py):
+    here it is replaced by recording the shapes, and solves run eagerly."""
+    from pathlib import Path
+
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.engine.types import StageInput
+    from omnistage.families.qwen2_5_omni import models
+
+    path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    decoder = models.Token2Wav(models.load_token2wav(path, config, cpu), models.load_voices(path), cpu,
+                               window=24, first_window=12)
+    decoder.use_graphs, decoder._capture = True, lambda solve, inputs: None
+    decoder.warm_up()
+    warmed = set(decoder.graphs)
+    assert len(warmed) == 2
+    inp = StageInput("r", [], params={"voice": VOICE, "seed": 0}, final=False)
+    for n in range(1, 85):  # 12 + 24 + 24 + 24 codes: first, two middle windows, a last one
+        inp.token_ids, inp.final = [n % 32] * n, n == 84
+        while decoder.ready(inp):
+            ((_, finished),) = decoder.generate([inp])
+            if finished or not inp.final:
+                break
+    assert inp.params["emitted"] == 84
+    (last,) = set(decoder.graphs) - warmed  # only the last window (60..84, 12 codes of left context) was new
+    assert last[-1] == (1, 36)
