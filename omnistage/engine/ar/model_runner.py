@@ -19,6 +19,7 @@ import torch
 from omnistage.engine.ar.attention import AttentionMetadata, PagedKVCache
 from omnistage.engine.ar.model import ARModel
 from omnistage.engine.ar.sequence import Sequence
+from omnistage.engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class ModelRunner:
         return p
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return to_device(torch.tensor(values, dtype=dtype), self.device)
 
     def _block_table_array(self, tables: list[list[int]], rows: int, width: int) -> np.ndarray:
         array = np.zeros((rows, width), dtype=np.int32)
@@ -172,9 +173,8 @@ class ModelRunner:
         meta = AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=self._tensor(p.slots))
         if self.use_triton:
             width = max(len(t) for t in p.tables)
-            meta.block_tables = torch.from_numpy(self._block_table_array(p.tables, len(p.tables), width)).to(
-                self.device
-            )
+            meta.block_tables = to_device(torch.from_numpy(self._block_table_array(p.tables, len(p.tables), width)),
+                                          self.device)
             meta.seq_lens = self._tensor(p.seq_lens, torch.int32)
             meta.cu_seqlens_q = self._tensor([0, *np.cumsum(p.query_lens).tolist()], torch.int32)
             meta.max_query_len = max(p.query_lens)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from omnistage.engine.transfer import to_device
 from omnistage.engine.types import TokenLogprob
 from omnistage.sampling_params import SamplingParams
 
@@ -36,7 +37,12 @@ def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, 
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
         valid[i, : len(r)] = True
-    return torch.from_numpy(ids).to(device), torch.from_numpy(valid).to(device)
+    return to_device(torch.from_numpy(ids), device), to_device(torch.from_numpy(valid), device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """One value per row as a [rows, 1] float32 column on `device`."""
+    return to_device(torch.tensor(values, dtype=torch.float32), device)[:, None]
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -52,18 +58,15 @@ def apply_penalties(
     ids to its [vocab] bool mask (a cache: the same few sets come back every step)."""
     device, vocab = logits.device, logits.shape[-1]
 
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
-
     if any(r.params.repetition_penalty != 1.0 for r in rows):
         seen = _token_counts([r.prompt_ids + r.output_ids for r in rows], vocab, device) > 0
-        penalty = column([r.params.repetition_penalty for r in rows]).expand_as(logits)
+        penalty = _column([r.params.repetition_penalty for r in rows], device).expand_as(logits)
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, scaled, logits)
     if any(r.params.frequency_penalty or r.params.presence_penalty for r in rows):
         counts = _token_counts([r.output_ids for r in rows], vocab, device)
-        logits = logits - column([r.params.frequency_penalty for r in rows]) * counts
-        logits = logits - column([r.params.presence_penalty for r in rows]) * (counts > 0).float()
+        logits = logits - _column([r.params.frequency_penalty for r in rows], device) * counts
+        logits = logits - _column([r.params.presence_penalty for r in rows], device) * (counts > 0).float()
     if any(r.banned_ids for r in rows):
         if ban_mask is not None:
             ban = torch.stack([ban_mask(tuple(r.banned_ids)) for r in rows])
@@ -77,21 +80,17 @@ def apply_penalties(
 def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, applied on one descending sort."""
     device = logits.device
-
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
-
-    logits = logits / column([r.params.temperature for r in rows])
+    logits = logits / _column([r.params.temperature for r in rows], device)
     if all(r.params.top_k <= 0 and r.params.top_p >= 1.0 and r.params.min_p <= 0.0 for r in rows):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=device)[None, :]
-    top_k = column([r.params.top_k if r.params.top_k > 0 else logits.shape[-1] for r in rows])
+    top_k = _column([r.params.top_k if r.params.top_k > 0 else logits.shape[-1] for r in rows], device)
     drop = rank >= top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= column([r.params.top_p for r in rows])
-    drop |= probs < column([r.params.min_p for r in rows]) * probs[:, :1]
+    drop |= mass_before >= _column([r.params.top_p for r in rows], device)
+    drop |= probs < _column([r.params.min_p for r in rows], device) * probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
@@ -134,7 +133,7 @@ class Sampler:
             probs = _filter(logits, temps_safe).softmax(dim=-1)
             noise = self._exponential_noise(probs, rows)
             sampled = (probs / noise).argmax(dim=-1)
-            is_greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+            is_greedy = to_device(torch.tensor([r.params.greedy for r in rows]), logits.device)
             chosen = torch.where(is_greedy, greedy_ids, sampled)
         token_ids = chosen.tolist()
         return token_ids, self._logprobs(raw_logprobs, token_ids, rows)
