@@ -1,7 +1,8 @@
 """Qwen2.5-Omni speech serving vs HF transformers' sequential `generate`, in one process and one run.
 
-Workload (BENCHMARKING.md): a ~64-token prompt, 128 thinker tokens and 600 codec tokens (12 s of
-speech) per request; random weights from the real config with the released talker size, the talker kept
+Workload (BENCHMARKING.md): the speech system prompt and a question (156 tokens with the factory's
+tokenizer; BENCHMARKING.md's reference used 64), 128 thinker tokens and 600 codec tokens (12 s of speech) per
+request; random weights from the real config with the released talker size, the talker kept
 on codec ids token2wav can embed, so both sides do the same work.
 
 - HF: `Qwen2_5OmniForConditionalGeneration.generate`, one request: end-to-end seconds (its only audio
@@ -15,6 +16,7 @@ omnistage runs with the one-GPU deploy config (configs/qwen2_5_omni/1gpu.yaml: a
 
     python benchmarks/omni_qwen2_5.py --out omni.jsonl            # full size (GPU)
     python benchmarks/omni_qwen2_5.py --checkpoint /tmp/omni      # write it once, reuse it later
+    python benchmarks/omni_qwen2_5.py --parts ours --token2wav-dtype bfloat16   # the bf16 DiT
     python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
 
 token2wav alone (window sizes, batches, DiT precision): benchmarks/token2wav_windows.py.
