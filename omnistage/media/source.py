@@ -91,6 +91,31 @@ def _declared_size(response: httpx.Response) -> int | None:
         return None
 
 
+def _check_response(response: httpx.Response, part: str, url: str, max_bytes: int) -> None:
+    """Refuse an error status or a body announced as too large, before reading it."""
+    if response.status_code >= 400:
+        raise _status_error(part, url, response)
+    declared = _declared_size(response)
+    if declared is not None and declared > max_bytes:
+        raise too_large(part, max_bytes, declared)
+
+
+class _Body:
+    """A response body collected chunk by chunk, refused as soon as it passes `max_bytes`."""
+
+    def __init__(self, part: str, max_bytes: int):
+        self.part, self.max_bytes, self.chunks, self.size = part, max_bytes, [], 0
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.max_bytes:
+            raise too_large(self.part, self.max_bytes)
+        self.chunks.append(chunk)
+
+    def media(self, response: httpx.Response) -> MediaBytes:
+        return MediaBytes(b"".join(self.chunks), _mime(response))
+
+
 def _mime(response: httpx.Response) -> str | None:
     value = response.headers.get("content-type")
     if not value:
@@ -103,18 +128,11 @@ def fetch_url(url: str, part: str, max_bytes: int, timeout: float = DEFAULT_TIME
     _check_url(url, part)
     try:
         with httpx.stream("GET", url, timeout=timeout, follow_redirects=True) as response:
-            if response.status_code >= 400:
-                raise _status_error(part, url, response)
-            declared = _declared_size(response)
-            if declared is not None and declared > max_bytes:
-                raise too_large(part, max_bytes, declared)
-            chunks, size = [], 0
+            _check_response(response, part, url, max_bytes)
+            body = _Body(part, max_bytes)
             for chunk in response.iter_bytes():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise too_large(part, max_bytes)
-                chunks.append(chunk)
-            return MediaBytes(b"".join(chunks), _mime(response))
+                body.add(chunk)
+            return body.media(response)
     except httpx.HTTPError as exc:
         raise _fetch_error(part, url, exc) from None
 
@@ -125,18 +143,11 @@ async def afetch_url(url: str, part: str, max_bytes: int, timeout: float = DEFAU
     try:
         async with httpx.AsyncClient(timeout=timeout, follow_redirects=True) as client:
             async with client.stream("GET", url) as response:
-                if response.status_code >= 400:
-                    raise _status_error(part, url, response)
-                declared = _declared_size(response)
-                if declared is not None and declared > max_bytes:
-                    raise too_large(part, max_bytes, declared)
-                chunks, size = [], 0
+                _check_response(response, part, url, max_bytes)
+                body = _Body(part, max_bytes)
                 async for chunk in response.aiter_bytes():
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise too_large(part, max_bytes)
-                    chunks.append(chunk)
-                return MediaBytes(b"".join(chunks), _mime(response))
+                    body.add(chunk)
+                return body.media(response)
     except httpx.HTTPError as exc:
         raise _fetch_error(part, url, exc) from None
 
