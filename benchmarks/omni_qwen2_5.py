@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import statistics
 import sys
@@ -175,7 +176,11 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             print(f"wave of {n}", file=sys.stderr, flush=True)
             start = time.perf_counter()
             requests = asyncio.gather(*(one_request(engine, f"c{n}-{i}", params) for i in range(n)))
-            results = await asyncio.wait_for(requests, wave_timeout_s)  # a stuck run reports instead of hanging
+            try:
+                results = await asyncio.wait_for(requests, wave_timeout_s)  # a stuck run reports, not hangs
+            except TimeoutError:
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where inline stages are stuck
+                raise
             return results, time.perf_counter() - start
 
         asyncio.run(wave(1))  # warm-up

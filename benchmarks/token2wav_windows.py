@@ -1,9 +1,11 @@
 """Qwen2.5-Omni's token2wav alone: time per streamed window by window size, batch and DiT precision.
 
 The released token2wav layout with random weights, built in memory (no checkpoint needed). Each step decodes
-one steady-state window per request (left context + window + look-ahead codes, flow matching replayed from a
-CUDA graph, then the vocoder) and reports milliseconds per step and seconds of audio per second. For each DiT
-dtype other than float32 it also reports the relative RMS distance of a 96-code one-shot decode from the
+one steady-state window per request (left context + window + look-ahead codes, flow matching replayed from
+CUDA graphs captured at start-up, then the vocoder) and reports milliseconds per step and seconds of audio per
+second. Side by side, one steady-state flow-matching solve through transformers' `DiT.sample` (what `generate`
+runs) and through omnistage's solver. For each DiT precision other than float32 (bfloat16; tf32: float32 weights
+with TensorFloat-32 matmuls) it also reports the relative RMS distance of a 96-code one-shot decode from the
 float32 one (random weights: the speech a trained model makes may react differently).
 
     python benchmarks/token2wav_windows.py --out t2w.jsonl              # GPU
@@ -57,7 +59,8 @@ def one_shot(decoder: models.Token2Wav, limit: int) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,tf32,bfloat16",
+                    help="DiT precisions; tf32: float32 weights, TF32 matmuls")
     ap.add_argument("--out")
     args = ap.parse_args()
     from transformers import Qwen2_5OmniConfig
@@ -81,22 +84,72 @@ def main() -> None:
 
     reference = None
     for name in args.dtypes.split(","):  # float32 first: lower precisions are rounded from its weights
-        model.code2wav_dit_model.to(getattr(torch, name))
-        audio = one_shot(models.Token2Wav(model, voices, device), limit)
+        dtype, tf32 = (torch.float32, True) if name == "tf32" else (getattr(torch, name), False)
+        model.code2wav_dit_model.to(dtype)
+        audio = one_shot(models.Token2Wav(model, voices, device, tf32=tf32), limit)
         if reference is None:
             reference = audio
         else:
             rms = ((audio - reference).pow(2).mean() / reference.pow(2).mean()).sqrt().item()
             record(part="dit_precision", dit_dtype=name, relative_rms_vs_float32=round(rms, 5))
+        decoders = {}
         for window, batch in CASES:
-            decoder = models.Token2Wav(model, voices, device, window=window)
-            step_seconds(decoder, window, batch, limit)  # captures this shape's graph
+            if window not in decoders:
+                decoders[window] = models.Token2Wav(model, voices, device, window=window, tf32=tf32,
+                                                    max_batch=max(b for w, b in CASES if w == window))
+                decoders[window].warm_up()
+            decoder = decoders[window]
+            step_seconds(decoder, window, batch, limit)
             seconds = statistics.median(step_seconds(decoder, window, batch, limit)
                                         for _ in range(3 if batch < 32 else 1))
             audio_s = batch * window * decoder.dit.repeats * decoder.HOP / models.SAMPLE_RATE
             record(part="token2wav_window", dit_dtype=name, window=window, left=decoder.left, right=decoder.right,
                    batch=batch, ms_per_step=round(1000 * seconds, 1), audio_s_per_s=round(audio_s / seconds, 2))
+        for batch in (1, 8):  # the same steady-state solve through transformers' DiT `sample` (what generate runs)
+            seconds = statistics.median(hf_sample_seconds(model, voices, 24 + 48 + 12, batch, limit, tf32)
+                                        for _ in range(3))
+            ours = statistics.median(solve_seconds(decoders[48], 84, batch, limit) for _ in range(3))
+            record(part="dit_solve", dit_dtype=name, codes=84, batch=batch,
+                   transformers_sample_ms=round(1000 * seconds, 1), omnistage_ms=round(1000 * ours, 1))
 
+
+def hf_sample_seconds(model, voices: dict, codes: int, batch: int, limit: int, tf32: bool) -> float:
+    dit = model.code2wav_dit_model
+    dtype, device = next(dit.parameters()).dtype, next(dit.parameters()).device
+    voice = voices["Chelsie"]
+    cond, ref_mel = (voice[k].to(device, dtype).expand(batch, *voice[k].shape[1:]) for k in ("cond", "ref_mel"))
+    ids = torch.tensor([[(5 * j) % limit for j in range(codes)]] * batch, device=device)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        with torch.inference_mode():
+            dit.sample(cond, ref_mel, ids)  # warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            dit.sample(cond, ref_mel, ids)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    return time.perf_counter() - start
+
+
+def solve_seconds(decoder: models.Token2Wav, codes: int, batch: int, limit: int) -> float:
+    """One flow-matching solve (a graph replay when captured), without the vocoder."""
+    speaker, features = decoder.speakers["Chelsie"]
+    ids = torch.tensor([[(5 * j) % limit for j in range(codes)]] * batch, device=decoder.device)
+    noise = torch.randn(batch, codes * decoder.dit.repeats, decoder.dit.mel_dim, device=decoder.device,
+                        dtype=decoder.dit_dtype)
+    inputs = (noise, ids, speaker.expand(batch, -1), features.expand(batch, -1, -1))
+    with torch.inference_mode():
+        decoder._solve(*inputs)
+        if decoder.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        decoder._solve(*inputs)
+        if decoder.device.type == "cuda":
+            torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from omnistage.engine.types import StageInput, StageOutput
 
 
@@ -24,3 +26,8 @@ class Engine(Protocol):
     def stats(self) -> dict[str, int]: ...
 
     def shutdown(self) -> None: ...
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the stage computes (None: nowhere in particular), so a host can give it its own CUDA stream."""
+        ...

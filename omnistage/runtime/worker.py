@@ -9,12 +9,16 @@ an error naming the stage, and reports its exit so the orchestrator can restart 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+import torch
 
 from omnistage.engine.base import Engine
 from omnistage.engine.types import StageInput, StageOutput
@@ -52,8 +56,10 @@ class EngineLoop:
     """Applies queued commands, steps the engine while it has work, and reports each iteration's
     outputs and stats. Only the loop's thread touches the engine."""
 
-    def __init__(self, stage: str, engine: Engine, report: Report):
+    def __init__(self, stage: str, engine: Engine, report: Report,
+                 receive: Callable[[Any], StageInput] | None = None):
         self.stage, self.engine, self.report = stage, engine, report
+        self.receive = receive or (lambda inp: inp)  # what the host does with an input before the engine sees it
         self.commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         # Loop metrics, reported with the engine's stats: step count and time, outputs per step.
         self.steps, self.step_seconds, self.step_outputs = 0, 0.0, 0
@@ -83,6 +89,7 @@ class EngineLoop:
 
     def _apply(self, kind: str, arg: Any) -> list[StageOutput]:
         if kind == "add":
+            arg = self.receive(arg)
             try:
                 self.engine.add_request(arg)
             except Exception as exc:  # a bad request must not take the stage down
@@ -92,7 +99,7 @@ class EngineLoop:
                     error_status=exc.status if isinstance(exc, OmniError) else 500,
                 )]
         elif kind == "chunk":
-            self.engine.add_input_chunk(*arg)
+            self.engine.add_input_chunk(arg[0], self.receive(arg[1]))
         elif kind == "abort":
             self.engine.abort(arg)
         elif kind == "fail":  # a StageOutput with an error, found before the engine saw the request
@@ -147,8 +154,28 @@ class InFlight:
             ) for rid in ids])
 
 
+@dataclass
+class _Written:
+    """An input whose GPU tensors were written on another thread's CUDA stream, up to `event`."""
+
+    inp: StageInput
+    tensors: list[torch.Tensor]
+    event: torch.cuda.Event
+
+
+def _cuda_tensors(inp: StageInput) -> list[torch.Tensor]:
+    values = [*inp.tensors.values(), inp.embeds, inp.embed_adds, inp.embed_add_default, inp.rope_positions]
+    return [t for t in values if isinstance(t, torch.Tensor) and t.is_cuda]
+
+
 class InlineStageWorker:
-    """One engine, one thread of the server process."""
+    """One engine, one thread of the server process, and on a GPU its own CUDA stream.
+
+    Stages sharing a GPU in one process then overlap: one stage's long kernels (a whole flow-matching
+    solve) do not hold up another's short decode steps, as they would on one stream, or across
+    processes under the GPU's time slicing. GPU tensors handed over from another stage are read only
+    after the stream that wrote them got there (an event, no host wait), and the allocator is told
+    this stream uses them, so their memory is not reused before it has read them."""
 
     def __init__(self, stage: str, replica: int, engine: Engine, on_outputs: OutputCallback,
                  on_exit: ExitCallback | None = None):
@@ -156,17 +183,39 @@ class InlineStageWorker:
         self.inflight = InFlight(stage, replica, on_outputs)
         self.on_exit = on_exit
         self._stats: dict[str, Any] = {}
-        self.loop = EngineLoop(stage, engine, self._report)
+        device = getattr(engine, "device", None)
+        self.stream = torch.cuda.Stream(device) if device is not None and torch.device(device).type == "cuda" \
+            else None
+        self.loop = EngineLoop(stage, engine, self._report, receive=self._receive)
         self._stopping = False
         self.thread = threading.Thread(target=self._run, name=f"stage-{stage}-{replica}", daemon=True)
         self.thread.start()
 
     def add_request(self, inp: StageInput) -> None:
         self.inflight.add(inp.request_id)
-        self.loop.commands.put(("add", inp))
+        self.loop.commands.put(("add", self._hand_over(inp)))
 
     def add_input_chunk(self, request_id: str, chunk: StageInput) -> None:
-        self.loop.commands.put(("chunk", (request_id, chunk)))
+        self.loop.commands.put(("chunk", (request_id, self._hand_over(chunk))))
+
+    def _hand_over(self, inp: StageInput) -> StageInput | _Written:
+        """Called on the sender's thread: mark how far its stream has written the input's GPU tensors."""
+        tensors = _cuda_tensors(inp) if self.stream is not None else []
+        if not tensors:
+            return inp
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensors[0].device))
+        return _Written(inp, tensors, event)
+
+    def _receive(self, arg: StageInput | _Written) -> StageInput:
+        """Called on this stage's thread, before its engine sees the input."""
+        if not isinstance(arg, _Written):
+            return arg
+        assert self.stream is not None
+        self.stream.wait_event(arg.event)
+        for tensor in arg.tensors:
+            tensor.record_stream(self.stream)
+        return arg.inp
 
     def abort(self, request_id: str) -> None:
         self.inflight.discard(request_id)
@@ -193,7 +242,8 @@ class InlineStageWorker:
 
     def _run(self) -> None:
         try:
-            self.loop.run()
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                self.loop.run()
         except Exception as exc:
             logger.exception("stage %r replica %d crashed", self.stage, self.replica)
             why = f"{type(exc).__name__}: {exc}"

@@ -153,6 +153,10 @@ class AREngine:
         prepare = getattr(self.runner.model, "prepare_input", None)
         return prepare(inp, first) if prepare is not None else inp
 
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
     def _take_input(self, seq: Sequence, inp: StageInput, start: int) -> None:
         """Per-position extras of an input (or chunk) whose first token sits at `start`."""
         for i, row in enumerate(inp.embeds if inp.embeds is not None else ()):

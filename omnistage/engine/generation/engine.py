@@ -42,6 +42,10 @@ class GenerationEngine:
         self.ready = getattr(model, "ready", lambda inp: inp.final)
         self.num_steps = 0
 
+    @property
+    def device(self) -> torch.device | None:
+        return getattr(self.model, "device", None)
+
     def add_request(self, inp: StageInput) -> None:
         self.requests[inp.request_id] = inp
 

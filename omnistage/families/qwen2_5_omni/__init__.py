@@ -146,7 +146,7 @@ class OmniPipeline(TextPipeline):
             dit_dtype = torch.float32 if cfg.dtype == "auto" else getattr(torch, cfg.dtype)  # fp32 unless asked
             t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev, dit_dtype)
             decoder = models.Token2Wav(t2w, models.load_voices(self.model_path), dev, use_graphs=not cfg.enforce_eager,
-                                       **token2wav_options(cfg.options))
+                                       max_batch=cfg.max_num_seqs, **token2wav_options(cfg.options))
             decoder.warm_up()
             return GenerationEngine(stage, decoder, cfg.max_num_seqs)
         raise KeyError(stage)
@@ -220,6 +220,7 @@ TOKEN2WAV_OPTIONS = {
     "right": "codes of look-ahead each window waits for; default: what the DiT attends ahead to",
     "vocoder_context": "mel frames of context on each side of a window for the vocoder",
     "num_steps": "flow-matching ODE steps",
+    "tf32": "true: the float32 DiT's matmuls run on TensorFloat-32 tensor cores (faster, slightly less exact)",
 }
 
 

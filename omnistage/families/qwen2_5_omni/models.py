@@ -18,10 +18,11 @@ this reproduces stage by stage):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
-from collections.abc import Callable
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
+from omnistage.families.qwen2_5_omni.dit import DiTSolver
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +184,7 @@ class TalkerLM(hf.HFCausalLM):
 
 
 class Token2Wav:
-    """Codes -> 24 kHz waveform, in fp32, seeded per request.
+    """Codes -> 24 kHz waveform, seeded per request; the DiT in float32 unless asked otherwise.
 
     With `window` codes > 0, audio is decoded while codes still arrive (the first chunk may be smaller:
     `first_window`): each window is decoded with `left` codes of context before it and `right` after it,
@@ -190,21 +192,21 @@ class Token2Wav:
     on each side. Every window draws its starting noise from the same per-request noise the whole utterance
     would use; tests bound the streamed audio's distance from a one-shot decode. `window == 0`: one shot.
 
-    On CUDA the whole ODE solve (num_steps x 4 DiT passes) of each input shape is captured once as a
-    CUDA graph and replayed: for a few windows, launching its thousands of small kernels one by one costs
-    more than running them. Larger batches keep the GPU busy anyway and run eagerly, so capturing (two
-    solves' time) never stalls a busy server; `warm_up` captures the single-request window shapes before
-    the first request. At most `max_graphs` exist.
+    On CUDA the whole ODE solve (36 DiT passes) of the first- and middle-window shapes is captured as CUDA
+    graphs at start-up, for batches of 1, 2, 4, ... up to `max_batch`, and replayed: a batch of 13 windows is
+    three replays (8 + 4 + 1). Launching a solve's tens of thousands of small kernels one by one costs more
+    than running them at small batches, and in a server process it would hold the interpreter from the
+    other stages. Other shapes (a request's last, shorter window) run eagerly.
+    `tf32`: the DiT's float32 matmuls on TensorFloat-32 tensor cores (faster, a little less exact).
     """
 
-    max_graphs = 32
-    graph_max_batch = 4
     HOP = 240  # waveform samples per mel frame
 
     def __init__(self, model: nn.Module, voices: dict[str, dict[str, torch.Tensor]], device: torch.device,
                  window: int = 0, first_window: int | None = None, left: int | None = None,
                  right: int | None = None, vocoder_context: int = 16, num_steps: int = 10,
-                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0, use_graphs: bool = True):
+                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0, use_graphs: bool = True,
+                 max_batch: int = 16, tf32: bool = False):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
         self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder stays in float32 whatever this is
@@ -216,21 +218,34 @@ class Token2Wav:
         self.right = self.block * len(dit.look_ahead_layers) if right is None else right
         self.window, self.first_window = window, first_window or window
         self.vocoder_context = vocoder_context
-        self.num_steps, self.guidance_scale, self.sway = num_steps, guidance_scale, sway_coefficient
-        self.use_graphs = use_graphs and device.type == "cuda"
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor] | None] = {}
+        self.tf32 = tf32
+        self.solver = DiTSolver(self.dit, num_steps, guidance_scale, sway_coefficient)
+        with torch.inference_mode():  # per voice: its `cond` and its speaker-encoder features
+            self.speakers = {name: (v["cond"].to(device, self.dit_dtype),
+                                    self.solver.speaker_features(v["ref_mel"].to(device, self.dit_dtype)))
+                             for name, v in voices.items()}
+        self.use_graphs = use_graphs and device.type == "cuda" and window > 0
+        self.graph_batches = [1 << i for i in range(max(1, max_batch).bit_length())]  # 1, 2, 4, ... <= max_batch
+        self.graph_codes = {self.first_window + self.right, self.left + self.window + self.right}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
+        self._pool = None  # one memory pool for all graphs: they replay one at a time
 
     def warm_up(self) -> None:
-        """Capture the graphs of one request's first and steady-state windows, for each voice's reference
-        length (no-op without graphs)."""
-        if not (self.use_graphs and self.window):
+        """Capture the solve graphs (no-op without graphs): a few seconds at start-up, none while serving."""
+        if not self.use_graphs:
             return
-        zeros = functools.partial(torch.zeros, device=self.device, dtype=self.dit_dtype)
-        voice_shapes = {(tuple(v["cond"].shape), tuple(v["ref_mel"].shape)) for v in self.voices.values()}
-        for codes in {self.first_window + self.right, self.left + self.window + self.right}:
-            for cond, ref_mel in voice_shapes:
-                self._solve(zeros(1, codes * self.dit.repeats, self.dit.mel_dim), zeros(*cond), zeros(*ref_mel),
-                            torch.zeros(1, codes, dtype=torch.long, device=self.device))
+        started = time.perf_counter()
+        speaker, features = next(iter(self.speakers.values()))
+        with torch.inference_mode():
+            for codes in sorted(self.graph_codes):
+                for batch in self.graph_batches:
+                    frames = codes * self.dit.repeats
+                    zeros = functools.partial(torch.zeros, device=self.device, dtype=self.dit_dtype)
+                    self._capture((zeros(batch, frames, self.dit.mel_dim),
+                                   torch.zeros(batch, codes, dtype=torch.long, device=self.device),
+                                   speaker.expand(batch, -1).contiguous(), features.expand(batch, -1, -1).contiguous()))
+        logger.info("token2wav: captured %d flow-matching graphs (windows of %s codes, batches %s) in %.1fs",
+                    len(self.graphs), sorted(self.graph_codes), self.graph_batches, time.perf_counter() - started)
 
     def _next_window(self, done: int) -> int:
         return self.first_window if done == 0 else self.window
@@ -241,14 +256,13 @@ class Token2Wav:
 
     @torch.inference_mode()
     def generate(self, inputs: list[StageInput]) -> list[tuple[dict[str, torch.Tensor], bool]]:
-        """One flow-matching run per group of same-length windows (and same voice shape): the DiT is
-        where the time goes, and it batches; each request's vocoder pass stays its own."""
+        """One flow-matching run per group of same-length windows: the DiT is where the time goes, and it
+        batches; each request's vocoder pass stays its own."""
         plans = [self._plan(inp) for inp in inputs]
-        groups: dict[tuple, list[int]] = {}
-        for i, (inp, plan) in enumerate(zip(inputs, plans, strict=True)):
+        groups: dict[int, list[int]] = {}
+        for i, plan in enumerate(plans):
             if plan is not None:
-                ref_shape = tuple(self.voices[inp.params["voice"]]["ref_mel"].shape)
-                groups.setdefault((plan[2] - plan[0], ref_shape), []).append(i)
+                groups.setdefault(plan[2] - plan[0], []).append(i)
         mels: dict[int, torch.Tensor] = {}
         for members in groups.values():
             for i, mel in zip(members, self._mels([inputs[i] for i in members], [plans[i] for i in members]),
@@ -279,47 +293,51 @@ class Token2Wav:
         return (start, keep_end, min(len(codes), keep_end + self.right)) if keep_end > done else None
 
     def _mels(self, inputs: list[StageInput], plans: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        r = self.dit.repeats
-        dtype = self.dit_dtype
+        r, dtype = self.dit.repeats, self.dit_dtype
         noise = torch.stack([self._noise(inp, end * r)[start * r :] for inp, (start, _, end) in zip(
             inputs, plans, strict=True)]).to(self.device, dtype)
-        voices = [self.voices[inp.params["voice"]] for inp in inputs]
-        cond = torch.cat([v["cond"] for v in voices]).to(self.device, dtype)
-        ref_mel = torch.cat([v["ref_mel"] for v in voices]).to(self.device, dtype)
         codes = torch.tensor([inp.token_ids[start:end] for inp, (start, _, end) in zip(inputs, plans, strict=True)],
                              device=self.device)
-        return list(self._solve(noise, cond, ref_mel, codes).float().split(1))
+        speakers = [self.speakers[inp.params["voice"]] for inp in inputs]
+        speaker = torch.cat([s for s, _ in speakers])
+        features = torch.cat([f for _, f in speakers])
+        return list(self._solve(noise, codes, speaker, features).float().split(1))
 
     def _solve(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Flow matching for one batch of same-shape windows: a graph replay when one fits."""
-        solve = functools.partial(_flow_matching, self.dit, num_steps=self.num_steps,
-                                  guidance_scale=self.guidance_scale, sway=self.sway)
-        if not self.use_graphs or inputs[0].shape[0] > self.graph_max_batch:
-            return solve(*inputs)
-        key = tuple(tuple(x.shape) for x in inputs)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(solve, inputs) if len(self.graphs) < self.max_graphs else None
-        if self.graphs[key] is None:
-            return solve(*inputs)
-        graph, static_inputs, static_out = self.graphs[key]
-        for static, x in zip(static_inputs, inputs, strict=True):
-            static.copy_(x)
-        graph.replay()
-        return static_out.clone()  # the next replay of this graph overwrites it
+        """Flow matching for one batch of same-length windows: graph replays in power-of-two slices where
+        the shape was captured, else eagerly."""
+        batch, codes = inputs[1].shape
+        if (1, codes) not in self.graphs:  # not a captured shape (or warm_up was not called)
+            with self._precision():
+                return self.solver.solve(*inputs)
+        outs, at = [], 0
+        for size in reversed(self.graph_batches):
+            while batch - at >= size:
+                graph, static_inputs, static_out = self.graphs[(size, codes)]
+                for static, x in zip(static_inputs, inputs, strict=True):
+                    static.copy_(x[at : at + size])
+                graph.replay()
+                outs.append(static_out.clone())  # the next replay overwrites it
+                at += size
+        return torch.cat(outs)
 
-    def _capture(self, solve: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]
-                 ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor] | None:
+    def _precision(self):
+        """TF32 matmuls for the DiT when asked (a process-wide switch: other stages' matmuls are not float32)."""
+        if not self.tf32:
+            return contextlib.nullcontext()
+        return _tf32_matmuls()
+
+    def _capture(self, inputs: tuple[torch.Tensor, ...]) -> None:
         static_inputs = [x.clone() for x in inputs]
-        try:
-            solve(*static_inputs)  # warm-up outside the capture (lazy init, allocator)
+        with self._precision():
+            if not self.graphs:
+                self.solver.solve(*static_inputs)  # warm-up outside the capture (lazy init, allocator)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: stages in other threads keep running (and syncing) while this one captures
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                static_out = solve(*static_inputs)
-        except RuntimeError:  # some op syncs with the host: this shape runs eagerly
-            logger.warning("token2wav: could not capture the flow-matching solve as a CUDA graph", exc_info=True)
-            return None
-        return graph, static_inputs, static_out
+            # thread_local: stages in other threads may keep running (and syncing) while this one captures
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                static_out = self.solver.solve(*static_inputs)
+        self._pool = graph.pool()
+        self.graphs[(inputs[1].shape[0], inputs[1].shape[1])] = (graph, static_inputs, static_out)
 
     def _audio(self, inp: StageInput, plan: tuple[int, int, int] | None, mel: torch.Tensor | None
                ) -> tuple[dict[str, torch.Tensor], bool]:
@@ -335,30 +353,14 @@ class Token2Wav:
             inp.final and keep_end == len(inp.token_ids)
 
 
-def _flow_matching(dit, noise, cond, ref_mel, codes, num_steps, guidance_scale, sway) -> torch.Tensor:
-    """The DiT's ODE from `noise` (what transformers' DiT `sample` does, with the noise passed in so
-    each request is seeded on its own). RK4 over the time grid with the same arithmetic as transformers'
-    solver, minus its host-side time comparisons, so it can be captured in a CUDA graph."""
-    cond = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
-
-    def velocity(time_step: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        out = dit(hidden_states=state, quantized_code=codes, speaker_embedding=cond, condition_vector=ref_mel,
-                  time_step=time_step, apply_cfg=True)
-        guided, null = torch.chunk(out, 2, dim=0)
-        return guided + (guided - null) * guidance_scale
-
-    times = torch.linspace(0, 1, num_steps, device=noise.device, dtype=cond.dtype)
-    if sway is not None:
-        times += sway * (torch.cos(torch.pi / 2 * times) - 1 + times)
-    state = noise
-    for start, end in zip(times[:-1], times[1:], strict=True):
-        dt = end - start
-        k1 = velocity(start, state)
-        k2 = velocity(start + dt * (1 / 3), state + dt * k1 * (1 / 3))
-        k3 = velocity(start + dt * (2 / 3), state + dt * (k2 - k1 * (1 / 3)))
-        k4 = velocity(end, state + dt * (k1 - k2 + k3))
-        state = state + (k1 + 3 * (k2 + k3) + k4) * dt / 8
-    return state.permute(0, 2, 1)
+@contextlib.contextmanager
+def _tf32_matmuls():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def load_token2wav(path: Path, config: Any, device: torch.device, dit_dtype: torch.dtype = torch.float32

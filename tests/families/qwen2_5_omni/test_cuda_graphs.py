@@ -4,7 +4,10 @@
   (which take its per-step embedding additions) give the same text and codes as eager steps: with
   token2wav eager in both runs, the audio is the same to the last bit.
 - token2wav's captured flow-matching solves, replayed for other requests (other voices and codes)
-  of the same window shapes, give the same audio as eager solves.
+  of the same window shapes, alone and in a batch split over several graphs, give the same audio as
+  eager solves.
+- Inline stages, each on its own CUDA stream, give the same text, codes and audio as stages in their
+  own processes.
 """
 
 from __future__ import annotations
@@ -67,9 +70,39 @@ def test_token2wav_graph_replays_equal_eager_solves(tiny_qwen2_5_omni: str) -> N
         return np.concatenate(chunks)
 
     eager = models.Token2Wav(model, voices, device, use_graphs=False, **WINDOWS)
-    graphs = models.Token2Wav(model, voices, device, use_graphs=True, **WINDOWS)
+    graphs = models.Token2Wav(model, voices, device, use_graphs=True, max_batch=4, **WINDOWS)
+    graphs.warm_up()
+    assert set(graphs.graphs) == {(b, c) for b in (1, 2, 4) for c in (8 + 4, 8 + 8 + 4)}
     for voice, codes in requests:
         expected, got = stream(eager, voice, codes), stream(graphs, voice, codes)
         assert got.shape == expected.shape
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
-    assert graphs.graphs and all(entry is not None for entry in graphs.graphs.values())
+
+    # A batch of three same-shape windows (replays of the 2- and 1-window graphs) equals each alone.
+    def first_windows(decoder: models.Token2Wav) -> list[np.ndarray]:
+        inputs = [StageInput(f"r{i}", codes[:12], params={"voice": voice, "seed": i}, final=False)
+                  for i, (voice, codes) in enumerate(requests)]
+        return [tensors["audio"].numpy() for tensors, _ in decoder.generate(inputs)]
+
+    for got, expected in zip(first_windows(graphs), first_windows(eager), strict=True):
+        assert got.size > 0
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+def test_inline_stage_streams_equal_stage_processes(tiny_qwen2_5_omni: str) -> None:
+    """Inline stages share the GPU on three streams and hand the thinker's states to the talker on the
+    device; process stages hand them over through shared memory. Four concurrent requests, same outputs."""
+    prompts = [[{"role": "user", "content": f"Tell me about mountains, part {i}."}] for i in range(4)]
+    params = {"thinker": SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              "talker": SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.05, ignore_eos=True)}
+    results = {}
+    for backend in ("inline", "process"):
+        stage = {"max_model_len": 512, "kv_cache_memory_gb": 0.25, "devices": "0"}
+        deploy = {"async_chunk": True, "worker_backend": backend,
+                  "stages": {"thinker": stage, "talker": stage, "token2wav": {"devices": "0", "options": WINDOWS}}}
+        with Omni(tiny_qwen2_5_omni, deploy) as omni:
+            results[backend] = omni.generate(prompts, params, ("text", "audio"))
+    for inline, process in zip(results["inline"], results["process"], strict=True):
+        assert inline.error is None and process.error is None
+        assert inline.token_ids == process.token_ids and inline.audio.size > 0
+        np.testing.assert_allclose(inline.audio, process.audio, rtol=0, atol=1e-5)

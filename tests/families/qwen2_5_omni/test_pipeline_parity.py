@@ -382,10 +382,10 @@ def test_token2wav_dtype_sets_the_dit_precision_only(tiny_qwen2_5_omni: str) -> 
     assert 0 < rms < 0.15, rms
 
 
-def test_token2wav_warm_up_covers_the_window_shapes(tiny_qwen2_5_omni: str) -> None:
-    """warm_up prepares exactly the solve shapes a streamed request's first and middle windows use (its
-    last window may be shorter). CUDA graph capture itself needs a GPU (tests/.../test_cuda_graphs.py):
-    here it is replaced by recording the shapes, and solves run eagerly."""
+def test_token2wav_graph_shapes_cover_streaming_windows(tiny_qwen2_5_omni: str) -> None:
+    """The solve shapes captured at start-up (tests/.../test_cuda_graphs.py captures them on a GPU) are
+    exactly those a streamed request's first and middle windows use; only its last, shorter window runs
+    eagerly. Recorded here from the solves a streamed request really makes."""
     from pathlib import Path
 
     from transformers import Qwen2_5OmniConfig
@@ -397,10 +397,9 @@ def test_token2wav_warm_up_covers_the_window_shapes(tiny_qwen2_5_omni: str) -> N
     config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
     decoder = models.Token2Wav(models.load_token2wav(path, config, cpu), models.load_voices(path), cpu,
                                window=24, first_window=12)
-    decoder.use_graphs, decoder._capture = True, lambda solve, inputs: None
-    decoder.warm_up()
-    warmed = set(decoder.graphs)
-    assert len(warmed) == 2
+    solved: list[tuple[int, int]] = []
+    solve = decoder.solver.solve
+    decoder.solver.solve = lambda *inputs: solved.append(tuple(inputs[1].shape)) or solve(*inputs)
     inp = StageInput("r", [], params={"voice": VOICE, "seed": 0}, final=False)
     for n in range(1, 85):  # 12 + 24 + 24 + 24 codes: first, two middle windows, a last one
         inp.token_ids, inp.final = [n % 32] * n, n == 84
@@ -409,5 +408,39 @@ def test_token2wav_warm_up_covers_the_window_shapes(tiny_qwen2_5_omni: str) -> N
             if finished or not inp.final:
                 break
     assert inp.params["emitted"] == 84
-    (last,) = set(decoder.graphs) - warmed  # only the last window (60..84, 12 codes of left context) was new
-    assert last[-1] == (1, 36)
+    assert (decoder.left, decoder.right) == (12, 12)  # the tiny DiT's attention reach
+    assert decoder.graph_codes == {12 + 12, 12 + 24 + 12}  # first: 12 + right; middle: left + 24 + right
+    assert [codes in decoder.graph_codes for _, codes in solved] == [True, True, True, False]
+    assert solved[-1] == (1, 36)  # the last window (60..84) with 12 codes of left context
+    assert decoder.graph_batches == [1, 2, 4, 8, 16]  # max_batch 16: a batch of 13 replays 8 + 4 + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_dit_solver_equals_transformers_sample(tiny_qwen2_5_omni: str, dtype: torch.dtype) -> None:
+    """Our solve (speaker encoder once per voice, time conditioning once, fused projections) against
+    transformers' `Qwen2_5OmniToken2WavDiTModel.sample` from the same noise, batch of two voices."""
+    from pathlib import Path
+
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.families.qwen2_5_omni import models
+    from omnistage.families.qwen2_5_omni.dit import DiTSolver
+
+    path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    dit = models.load_token2wav(path, config, cpu, dtype).code2wav_dit_model
+    voices = models.load_voices(path)
+    cond = torch.cat([voices[v]["cond"] for v in ("Ethan", "Chelsie")]).to(dtype)
+    ref_mel = torch.cat([voices[v]["ref_mel"] for v in ("Ethan", "Chelsie")]).to(dtype)
+    codes = torch.randint(0, config.dit_config.num_embeds - 1, (2, 30), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        torch.manual_seed(7)
+        expected = dit.sample(cond, ref_mel, codes)  # draws its noise first thing
+        torch.manual_seed(7)
+        noise = torch.randn([2, 30 * dit.repeats, dit.mel_dim], dtype=dtype)
+        solver = DiTSolver(dit, num_steps=10, guidance_scale=0.5, sway=-1.0)
+        features = torch.cat([solver.speaker_features(ref_mel[i : i + 1]) for i in range(2)])
+        got = solver.solve(noise, codes, cond, features)
+    assert got.shape == expected.shape == (2, dit.mel_dim, 60)
+    rel = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel

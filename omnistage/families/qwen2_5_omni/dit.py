@@ -1,0 +1,151 @@
+"""token2wav's flow-matching solve, with everything that stays fixed during a solve computed once.
+
+transformers' DiT recomputes in each of a solve's passes (10 time points, 9 RK4 steps of 4 passes) the speaker
+encoder over the voice's reference mel, the code embeddings, every layer's time conditioning, the attention
+masks and the rotary tables. Here the speaker encoder runs once per voice, the time conditioning once per model
+(the time grid is fixed), codes, masks and rotary tables once per solve; a pass is only the layers' work on the
+noisy state, with query/key/value in one matmul. Same weights and arithmetic as transformers'
+`Qwen2_5OmniToken2WavDiTModel` up to float rounding (tests/families/qwen2_5_omni bound the difference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _deinterleaved(dim: int) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): the layout transformers rotates head 0 in."""
+    return torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
+
+
+class DiTSolver:
+    """Solves the DiT's ODE for a batch of windows: `solve(noise, codes, speaker, features)`."""
+
+    def __init__(self, dit: nn.Module, num_steps: int, guidance_scale: float, sway: float | None):
+        self.dit, self.guidance_scale = dit, guidance_scale
+        cfg = dit.config
+        self.width, self.heads, self.mel_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.mel_dim
+        self.head_dim = cfg.head_dim
+        self.block_size, self.repeats = cfg.block_size, cfg.repeats
+        self.reach = [(blk.look_backward_block, blk.look_ahead_block) for blk in dit.transformer_blocks]
+        weight = next(dit.parameters())
+        dtype, device = weight.dtype, weight.device
+        # The time grid and RK4's evaluation points, as transformers' solver computes them.
+        times = torch.linspace(0, 1, num_steps, device=device, dtype=dtype)
+        if sway is not None:
+            times += sway * (torch.cos(torch.pi / 2 * times) - 1 + times)
+        self.steps = [(end - start, (start, start + (end - start) * (1 / 3), start + (end - start) * (2 / 3), end))
+                      for start, end in zip(times[:-1], times[1:], strict=True)]
+        with torch.no_grad():
+            self._fuse_projections()
+            self._condition_on_time(torch.stack([t for _, points in self.steps for t in points]))
+
+    def _fuse_projections(self) -> None:
+        """One [3 x width, width] matmul per layer for query, key, value; head 0's query and key rows in the
+        order transformers rotates them in (their dot products, all attention sees, are unchanged)."""
+        order = torch.arange(self.width)
+        order[: self.head_dim] = _deinterleaved(self.head_dim)
+        self.qkv = []
+        for blk in self.dit.transformer_blocks:
+            attn = blk.attn
+            weight = torch.cat([attn.to_q.weight[order], attn.to_k.weight[order], attn.to_v.weight])
+            bias = torch.cat([attn.to_q.bias[order], attn.to_k.bias[order], attn.to_v.bias])
+            self.qkv.append((weight, bias))
+        proj = self.dit.input_embed.proj
+        self.in_state = proj.weight[:, : self.mel_dim]  # the noisy state's columns
+        self.in_fixed, self.in_bias = proj.weight[:, self.mel_dim :].contiguous(), proj.bias
+
+    def _condition_on_time(self, points: torch.Tensor) -> None:
+        """Every layer's shift/scale/gate at every evaluation point: [points, 6, width] per layer (scales as
+        1 + scale), and the output norm's [points, 2, width]."""
+        t = self.dit.time_embed(points)
+        self.modulation = []
+        for blk in self.dit.transformer_blocks:
+            mod = blk.attn_norm.linear(F.silu(t)).view(len(points), 6, self.width).clone()
+            mod[:, [1, 4]] += 1
+            self.modulation.append(mod)
+        final = self.dit.norm_out.linear(F.silu(t)).view(len(points), 2, self.width).clone()
+        final[:, 0] += 1
+        self.final = final
+
+    @torch.no_grad()
+    def speaker_features(self, ref_mel: torch.Tensor) -> torch.Tensor:
+        """The speaker encoder over a voice's reference mel and over the silent one guidance compares with:
+        [1, 2, enc_dim]. Computed once per voice."""
+        encoder = self.dit.input_embed.spk_encoder
+        return torch.stack([encoder(ref_mel), encoder(torch.zeros_like(ref_mel))], dim=1)
+
+    def solve(self, noise: torch.Tensor, codes: torch.Tensor, speaker: torch.Tensor, features: torch.Tensor
+              ) -> torch.Tensor:
+        """noise [B, frames, mel], codes [B, frames / repeats], speaker (the voice's `cond`) [B, enc_emb],
+        features (speaker_features) [B, 2, enc_dim] -> mel [B, mel, frames]. No host syncs: capturable."""
+        batch, frames, _ = noise.shape
+        fixed = self._fixed_inputs(codes, speaker, features, frames)
+        cos, sin = self.dit.rotary_embed(noise, torch.arange(frames, device=noise.device)[None])
+        rotary = cos.view(1, frames, 1, self.head_dim), sin.view(1, frames, 1, self.head_dim)
+        masks = self._masks(frames, noise.device, noise.dtype)
+        points = iter(range(len(self.steps) * 4))
+
+        def velocity(state: torch.Tensor) -> torch.Tensor:
+            out = self._forward(state, fixed, next(points), rotary, masks)
+            guided, null = out.chunk(2)
+            return guided + (guided - null) * self.guidance_scale
+
+        state = noise
+        for dt, _ in self.steps:
+            k1 = velocity(state)
+            k2 = velocity(state + dt * k1 * (1 / 3))
+            k3 = velocity(state + dt * (k2 - k1 * (1 / 3)))
+            k4 = velocity(state + dt * (k1 - k2 + k3))
+            state = state + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+        return state.permute(0, 2, 1)
+
+    def _fixed_inputs(self, codes: torch.Tensor, speaker: torch.Tensor, features: torch.Tensor, frames: int
+                      ) -> torch.Tensor:
+        """The input projection's part that does not depend on the state, for the guided rows then the
+        unguided ones (no speaker, silent reference, dropped codes): [2B x frames, width]."""
+        embed = self.dit.text_embed
+        code_rows = torch.cat([embed(codes), embed(codes, drop_code=True)])
+        feature_rows = torch.cat([features[:, 0], features[:, 1]])
+        speaker_rows = torch.cat([speaker, torch.zeros_like(speaker)])
+        rows = torch.cat([feature_rows[:, None].expand(-1, frames, -1), code_rows,
+                          speaker_rows[:, None].expand(-1, frames, -1)], dim=-1)
+        return F.linear(rows, self.in_fixed, self.in_bias).flatten(0, 1)
+
+    def _masks(self, frames: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+        block = torch.arange(frames, device=device) // self.block_size
+        diff = block[None, :] - block[:, None]
+        bias = {reach: torch.zeros(frames, frames, device=device, dtype=dtype).masked_fill(
+            (diff < -reach[0]) | (diff > reach[1]), float("-inf")) for reach in set(self.reach)}
+        return [bias[reach] for reach in self.reach]
+
+    def _forward(self, state: torch.Tensor, fixed: torch.Tensor, point: int,
+                 rotary: tuple[torch.Tensor, torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+        """One DiT pass over [guided; unguided] copies of the state at evaluation point `point`."""
+        batch, frames, _ = state.shape
+        rows, width, heads, head_dim = 2 * batch * frames, self.width, self.heads, self.head_dim
+        h = torch.addmm(fixed, torch.cat([state, state]).flatten(0, 1), self.in_state.t())
+        cos, sin = rotary
+        for blk, (w_qkv, b_qkv), mod, mask in zip(self.dit.transformer_blocks, self.qkv, self.modulation, masks,
+                                                  strict=True):
+            shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod[point]
+            x = torch.addcmul(shift_a, F.layer_norm(h, (width,), eps=1e-6), scale_a)
+            qkv = F.linear(x, w_qkv, b_qkv).view(2 * batch, frames, 3, heads, head_dim)
+            rotated = qkv[:, :, :2, 0]  # head 0 of query and key: the only rotated head (as trained)
+            half = head_dim // 2
+            turned = torch.cat([-rotated[..., half:], rotated[..., :half]], dim=-1)
+            rotated.copy_(rotated * cos + turned * sin)
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            attn = F.linear(attn.transpose(1, 2).reshape(rows, width), blk.attn.to_out[0].weight,
+                            blk.attn.to_out[0].bias)
+            h = torch.addcmul(h, gate_a, attn)
+            x = torch.addcmul(shift_f, F.layer_norm(h, (width,), eps=1e-6), scale_f)
+            up, down = blk.ff.ff[0], blk.ff.ff[3]
+            h = torch.addcmul(h, gate_f, F.linear(F.gelu(F.linear(x, up.weight, up.bias), approximate="tanh"),
+                                                  down.weight, down.bias))
+        scale, shift = self.final[point]
+        x = torch.addcmul(shift, F.layer_norm(h, (width,), eps=1e-6), scale)
+        return F.linear(x, self.dit.proj_out.weight, self.dit.proj_out.bias).view(2 * batch, frames, self.mel_dim)
