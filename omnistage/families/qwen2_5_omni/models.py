@@ -19,10 +19,11 @@ this reproduces stage by stage):
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import logging
+import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers.initialization import no_init_weights
 
+from omnistage.engine.generation.graphs import BatchGraphs
 from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
@@ -192,11 +194,9 @@ class Token2Wav:
     on each side. Every window draws its starting noise from the same per-request noise the whole utterance
     would use; tests bound the streamed audio's distance from a one-shot decode. `window == 0`: one shot.
 
-    On CUDA the whole ODE solve (36 DiT passes) of the first- and middle-window shapes is captured as CUDA
-    graphs at start-up, for batches of 1, 2, 4, ... up to `max_batch`, and replayed: a batch of 13 windows is
-    three replays (8 + 4 + 1). Launching a solve's tens of thousands of small kernels one by one costs more
-    than running them at small batches, and in a server process it would hold the interpreter from the
-    other stages. Other shapes (a request's last, shorter window) run eagerly.
+    Same-length windows of different requests share one flow-matching solve and one vocoder pass. On CUDA
+    both are captured as graphs at start-up for the first- and middle-window shapes (batches of 1, 2, 4, ...
+    up to `max_batch`, see BatchGraphs); a request's last, shorter window runs eagerly.
     `tf32`: the DiT's float32 matmuls on TensorFloat-32 tensor cores (faster, a little less exact).
     """
 
@@ -218,34 +218,42 @@ class Token2Wav:
         self.right = self.block * len(dit.look_ahead_layers) if right is None else right
         self.window, self.first_window = window, first_window or window
         self.vocoder_context = vocoder_context
-        self.tf32 = tf32
         self.solver = DiTSolver(self.dit, num_steps, guidance_scale, sway_coefficient)
         with torch.inference_mode():  # per voice: its `cond` and its speaker-encoder features
             self.speakers = {name: (v["cond"].to(device, self.dit_dtype),
                                     self.solver.speaker_features(v["ref_mel"].to(device, self.dit_dtype)))
                              for name, v in voices.items()}
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
-        self.graph_batches = [1 << i for i in range(max(1, max_batch).bit_length())]  # 1, 2, 4, ... <= max_batch
-        self.graph_codes = {self.first_window + self.right, self.left + self.window + self.right}
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
-        self._pool = None  # one memory pool for all graphs: they replay one at a time
+        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared: graphs replay one at a time
+        self.solve = BatchGraphs(self.solver.solve, max_batch, key_input=1, pool=pool,
+                                 context=_tf32_matmuls if tf32 else contextlib.nullcontext)
+        self.vocode = BatchGraphs(self._vocode, max_batch, pool=pool)
 
     def warm_up(self) -> None:
-        """Capture the solve graphs (no-op without graphs): a few seconds at start-up, none while serving."""
+        """Capture the solve and vocoder graphs (no-op without graphs): seconds at start-up, none while serving."""
         if not self.use_graphs:
             return
         started = time.perf_counter()
         speaker, features = next(iter(self.speakers.values()))
         with torch.inference_mode():
-            for codes in sorted(self.graph_codes):
-                for batch in self.graph_batches:
-                    frames = codes * self.dit.repeats
-                    zeros = functools.partial(torch.zeros, device=self.device, dtype=self.dit_dtype)
-                    self._capture((zeros(batch, frames, self.dit.mel_dim),
-                                   torch.zeros(batch, codes, dtype=torch.long, device=self.device),
-                                   speaker.expand(batch, -1).contiguous(), features.expand(batch, -1, -1).contiguous()))
-        logger.info("token2wav: captured %d flow-matching graphs (windows of %s codes, batches %s) in %.1fs",
-                    len(self.graphs), sorted(self.graph_codes), self.graph_batches, time.perf_counter() - started)
+            for codes, frames in self.window_shapes():
+                self.solve.capture(torch.zeros(1, codes * self.dit.repeats, self.dit.mel_dim, device=self.device,
+                                               dtype=self.dit_dtype),
+                                   torch.zeros(1, codes, dtype=torch.long, device=self.device), speaker, features)
+                self.vocode.capture(torch.zeros(1, self.dit.mel_dim, frames, device=self.device))
+        logger.info("token2wav: captured %d solve and %d vocoder graphs in %.1fs", len(self.solve.graphs),
+                    len(self.vocode.graphs), time.perf_counter() - started)
+
+    def window_shapes(self) -> set[tuple[int, int]]:
+        """(codes solved, mel frames vocoded) of a request's first window and of its steady-state ones."""
+        probe = StageInput("shapes", [0] * (self.first_window + 3 * self.window + self.right), params={}, final=False)
+        shapes = set()
+        for done in (0, self.first_window + self.window):
+            probe.params["emitted"] = done
+            plan = self._plan(probe)
+            lo, hi = self._vocoder_span(done, plan)
+            shapes.add((plan[2] - plan[0], hi - lo))
+        return shapes
 
     def _next_window(self, done: int) -> int:
         return self.first_window if done == 0 else self.window
@@ -256,19 +264,35 @@ class Token2Wav:
 
     @torch.inference_mode()
     def generate(self, inputs: list[StageInput]) -> list[tuple[dict[str, torch.Tensor], bool]]:
-        """One flow-matching run per group of same-length windows: the DiT is where the time goes, and it
-        batches; each request's vocoder pass stays its own."""
-        plans = [self._plan(inp) for inp in inputs]
+        """One flow-matching solve per group of same-length windows and one vocoder pass per group of
+        same-length mel spans: both batch, and at small batches cost about as much as one."""
+        plans = {i: plan for i, inp in enumerate(inputs) if (plan := self._plan(inp)) is not None}
+        mels = self._grouped(plans, lambda i: plans[i][2] - plans[i][0],
+                             lambda members: self._mels([inputs[i] for i in members], [plans[i] for i in members]))
+        r = self.dit.repeats
+        spans = {i: self._vocoder_span(inputs[i].params.get("emitted", 0), plan) for i, plan in plans.items()}
+        waves = self._grouped(plans, lambda i: spans[i][1] - spans[i][0], lambda members: self.vocode(torch.cat([
+            mels[i][:, :, spans[i][0] - plans[i][0] * r : spans[i][1] - plans[i][0] * r] for i in members])))
+        outputs = []
+        for i, inp in enumerate(inputs):
+            if i not in plans:
+                outputs.append(({"audio": torch.zeros(0)}, inp.final))
+                continue
+            done, (_, keep_end, _), lo = inp.params.get("emitted", 0), plans[i], spans[i][0]
+            first = (done * r - lo) * self.HOP
+            inp.params["emitted"] = keep_end
+            outputs.append(({"audio": waves[i][first : first + (keep_end - done) * r * self.HOP].cpu()},
+                            inp.final and keep_end == len(inp.token_ids)))
+        return outputs
+
+    @staticmethod
+    def _grouped(items: dict[int, Any], key: Callable[[int], int], run: Callable[[list[int]], Any]
+                 ) -> dict[int, torch.Tensor]:
+        """run(members) once per group of items with the same key; its rows go back to the members."""
         groups: dict[int, list[int]] = {}
-        for i, plan in enumerate(plans):
-            if plan is not None:
-                groups.setdefault(plan[2] - plan[0], []).append(i)
-        mels: dict[int, torch.Tensor] = {}
-        for members in groups.values():
-            for i, mel in zip(members, self._mels([inputs[i] for i in members], [plans[i] for i in members]),
-                              strict=True):
-                mels[i] = mel
-        return [self._audio(inp, plan, mels.get(i)) for i, (inp, plan) in enumerate(zip(inputs, plans, strict=True))]
+        for i in items:
+            groups.setdefault(key(i), []).append(i)
+        return {i: row for members in groups.values() for i, row in zip(members, run(members), strict=True)}
 
     def _noise(self, inp: StageInput, frames: int) -> torch.Tensor:
         """The request's starting noise for its first `frames` mel frames, drawn once, extended as needed."""
@@ -292,6 +316,11 @@ class Token2Wav:
         keep_end = min(len(codes), done + self._next_window(done))
         return (start, keep_end, min(len(codes), keep_end + self.right)) if keep_end > done else None
 
+    def _vocoder_span(self, done: int, plan: tuple[int, int, int]) -> tuple[int, int]:
+        """Mel frames the vocoder gets for a window: the new ones and up to `vocoder_context` either side."""
+        (start, keep_end, end), r = plan, self.dit.repeats
+        return max(done * r - self.vocoder_context, start * r), min(keep_end * r + self.vocoder_context, end * r)
+
     def _mels(self, inputs: list[StageInput], plans: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         r, dtype = self.dit.repeats, self.dit_dtype
         noise = torch.stack([self._noise(inp, end * r)[start * r :] for inp, (start, _, end) in zip(
@@ -301,56 +330,22 @@ class Token2Wav:
         speakers = [self.speakers[inp.params["voice"]] for inp in inputs]
         speaker = torch.cat([s for s, _ in speakers])
         features = torch.cat([f for _, f in speakers])
-        return list(self._solve(noise, codes, speaker, features).float().split(1))
+        return list(self.solve(noise, codes, speaker, features).float().split(1))
 
-    def _solve(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Flow matching for one batch of same-length windows: graph replays in power-of-two slices where
-        the shape was captured, else eagerly."""
-        batch, codes = inputs[1].shape
-        if (1, codes) not in self.graphs:  # not a captured shape (or warm_up was not called)
-            with self._precision():
-                return self.solver.solve(*inputs)
-        outs, at = [], 0
-        for size in reversed(self.graph_batches):
-            while batch - at >= size:
-                graph, static_inputs, static_out = self.graphs[(size, codes)]
-                for static, x in zip(static_inputs, inputs, strict=True):
-                    static.copy_(x[at : at + size])
-                graph.replay()
-                outs.append(static_out.clone())  # the next replay overwrites it
-                at += size
-        return torch.cat(outs)
+    def _vocode(self, mel: torch.Tensor) -> torch.Tensor:
+        """BigVGAN over [B, mel, frames] -> [B, samples]: transformers' forward without its final squeeze and
+        copy to the host (so batches and graph capture work), the dB scaling with Python constants."""
+        v = self.model.code2wav_bigvgan_model
+        db = 20 * torch.log10(torch.clamp(torch.exp(mel), min=_MIN_AMPLITUDE)) - 20
+        x = v.conv_pre(torch.clamp(2 * ((db + 115) / 115) - 1, -1, 1))
+        for i in range(v.num_upsample_layers):
+            x = v.ups[i][0](x)
+            blocks = v.resblocks[i * v.num_residual_blocks : (i + 1) * v.num_residual_blocks]
+            x = sum(block(x) for block in blocks) / v.num_residual_blocks
+        return torch.clamp(v.conv_post(v.activation_post(x)), min=-1.0, max=1.0)[:, 0]
 
-    def _precision(self):
-        """TF32 matmuls for the DiT when asked (a process-wide switch: other stages' matmuls are not float32)."""
-        if not self.tf32:
-            return contextlib.nullcontext()
-        return _tf32_matmuls()
 
-    def _capture(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        static_inputs = [x.clone() for x in inputs]
-        with self._precision():
-            if not self.graphs:
-                self.solver.solve(*static_inputs)  # warm-up outside the capture (lazy init, allocator)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: stages in other threads may keep running (and syncing) while this one captures
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                static_out = self.solver.solve(*static_inputs)
-        self._pool = graph.pool()
-        self.graphs[(inputs[1].shape[0], inputs[1].shape[1])] = (graph, static_inputs, static_out)
-
-    def _audio(self, inp: StageInput, plan: tuple[int, int, int] | None, mel: torch.Tensor | None
-               ) -> tuple[dict[str, torch.Tensor], bool]:
-        if plan is None:
-            return {"audio": torch.zeros(0)}, inp.final
-        (start, keep_end, end), done, r = plan, inp.params.get("emitted", 0), self.dit.repeats
-        lo = max(done * r - self.vocoder_context, start * r)
-        hi = min(keep_end * r + self.vocoder_context, end * r)
-        wave = self.model.code2wav_bigvgan_model(mel[:, :, lo - start * r : hi - start * r]).reshape(-1).float()
-        first = (done * r - lo) * self.HOP
-        inp.params["emitted"] = keep_end
-        return {"audio": wave[first : first + (keep_end - done) * r * self.HOP].cpu()}, \
-            inp.final and keep_end == len(inp.token_ids)
+_MIN_AMPLITUDE = math.exp(-115 / 20.0 * math.log(10))  # -115 dB, the vocoder's floor
 
 
 @contextlib.contextmanager

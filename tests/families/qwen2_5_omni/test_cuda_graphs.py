@@ -72,7 +72,10 @@ def test_token2wav_graph_replays_equal_eager_solves(tiny_qwen2_5_omni: str) -> N
     eager = models.Token2Wav(model, voices, device, use_graphs=False, **WINDOWS)
     graphs = models.Token2Wav(model, voices, device, use_graphs=True, max_batch=4, **WINDOWS)
     graphs.warm_up()
-    assert set(graphs.graphs) == {(b, c) for b in (1, 2, 4) for c in (8 + 4, 8 + 8 + 4)}
+    shapes = graphs.window_shapes()
+    assert {codes for codes, _ in shapes} == {8 + 4, 8 + 8 + 4}
+    assert set(graphs.solve.graphs) == {(b, codes) for b in (1, 2, 4) for codes, _ in shapes}
+    assert set(graphs.vocode.graphs) == {(b, frames) for b in (1, 2, 4) for _, frames in shapes}
     for voice, codes in requests:
         expected, got = stream(eager, voice, codes), stream(graphs, voice, codes)
         assert got.shape == expected.shape

@@ -397,9 +397,11 @@ def test_token2wav_graph_shapes_cover_streaming_windows(tiny_qwen2_5_omni: str) 
     config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
     decoder = models.Token2Wav(models.load_token2wav(path, config, cpu), models.load_voices(path), cpu,
                                window=24, first_window=12)
-    solved: list[tuple[int, int]] = []
-    solve = decoder.solver.solve
-    decoder.solver.solve = lambda *inputs: solved.append(tuple(inputs[1].shape)) or solve(*inputs)
+    solved: list[int] = []  # codes per solve, mel frames per vocoder pass
+    vocoded: list[int] = []
+    solve, vocode = decoder.solve.fn, decoder.vocode.fn
+    decoder.solve.fn = lambda *inputs: solved.append(inputs[1].shape[1]) or solve(*inputs)
+    decoder.vocode.fn = lambda mel: vocoded.append(mel.shape[-1]) or vocode(mel)
     inp = StageInput("r", [], params={"voice": VOICE, "seed": 0}, final=False)
     for n in range(1, 85):  # 12 + 24 + 24 + 24 codes: first, two middle windows, a last one
         inp.token_ids, inp.final = [n % 32] * n, n == 84
@@ -409,10 +411,12 @@ def test_token2wav_graph_shapes_cover_streaming_windows(tiny_qwen2_5_omni: str) 
                 break
     assert inp.params["emitted"] == 84
     assert (decoder.left, decoder.right) == (12, 12)  # the tiny DiT's attention reach
-    assert decoder.graph_codes == {12 + 12, 12 + 24 + 12}  # first: 12 + right; middle: left + 24 + right
-    assert [codes in decoder.graph_codes for _, codes in solved] == [True, True, True, False]
-    assert solved[-1] == (1, 36)  # the last window (60..84) with 12 codes of left context
-    assert decoder.graph_batches == [1, 2, 4, 8, 16]  # max_batch 16: a batch of 13 replays 8 + 4 + 1
+    # first: 12 codes + 12 look-ahead, vocoded with 16 frames after; middle: 12 + 24 + 12, 16 frames each side
+    assert decoder.window_shapes() == {(12 + 12, 24 + 16), (12 + 24 + 12, 16 + 48 + 16)}
+    captured = decoder.window_shapes()
+    assert [shape in captured for shape in zip(solved, vocoded, strict=True)] == [True, True, True, False]
+    assert solved[-1] == 36  # the last window (60..84) with 12 codes of left context
+    assert decoder.solve.batches == [1, 2, 4, 8, 16]  # max_batch 16: a batch of 13 replays 8 + 4 + 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

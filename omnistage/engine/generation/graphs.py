@@ -1,0 +1,60 @@
+"""CUDA graphs for a generation model's batch function at power-of-two batch sizes.
+
+A generation step (a whole flow-matching solve, a vocoder pass) is tens of thousands of small kernels:
+at small batches launching them costs more than running them, and in a server process the launching
+holds the interpreter from the other stages. Captured once per (batch, length) shape, a call replays
+the batch in power-of-two slices (13 = 8 + 4 + 1), so a few graphs serve every batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+
+class BatchGraphs:
+    """`fn(*inputs) -> output`, all batch-first, replayed from graphs where (1, length) was captured.
+
+    `length` is each call's `inputs[key_input].shape[-1]`. Graphs share one memory pool (`pool`, maybe shared
+    with other BatchGraphs replayed on the same stream) and outputs are copied out before the next replay.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor], max_batch: int, key_input: int = 0,
+                 context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 pool: tuple | None = None):
+        self.fn, self.key_input, self.context = fn, key_input, context
+        self.batches = [1 << i for i in range(max(1, max_batch).bit_length())]  # 1, 2, 4, ... <= max_batch
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
+        self.pool = pool
+
+    def capture(self, *inputs: torch.Tensor) -> None:
+        """Graphs for every batch size from one example row (`inputs` with batch 1)."""
+        for batch in self.batches:
+            static_inputs = [x.expand(batch, *x.shape[1:]).clone() for x in inputs]
+            with self.context():
+                if not self.graphs:
+                    self.fn(*static_inputs)  # warm-up outside a capture (lazy initialisation, allocator)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: stages in other threads may keep running (and syncing) while this one captures
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    static_out = self.fn(*static_inputs)
+            self.pool = self.pool or graph.pool()
+            self.graphs[(batch, inputs[self.key_input].shape[-1])] = (graph, static_inputs, static_out)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        batch, length = inputs[self.key_input].shape[0], inputs[self.key_input].shape[-1]
+        if (1, length) not in self.graphs:
+            with self.context():
+                return self.fn(*inputs)
+        outs, at = [], 0
+        for size in reversed(self.batches):
+            while batch - at >= size:
+                graph, static_inputs, static_out = self.graphs[(size, length)]
+                for static, x in zip(static_inputs, inputs, strict=True):
+                    static.copy_(x[at : at + size])
+                graph.replay()
+                outs.append(static_out.clone())  # the next replay overwrites it
+                at += size
+        return torch.cat(outs)
