@@ -17,6 +17,7 @@ omnistage runs with the one-GPU deploy config (configs/qwen2_5_omni/1gpu.yaml: a
     python benchmarks/omni_qwen2_5.py --out omni.jsonl            # full size (GPU)
     python benchmarks/omni_qwen2_5.py --checkpoint /tmp/omni      # write it once, reuse it later
     python benchmarks/omni_qwen2_5.py --parts ours --token2wav-dtype bfloat16   # the bf16 DiT
+    python benchmarks/omni_qwen2_5.py --parts ours --backends inline --tf32     # stages in one process, TF32 DiT
     python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
 
 token2wav alone (window sizes, batches, DiT precision): benchmarks/token2wav_windows.py.
@@ -153,7 +154,8 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
 
 
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
-         backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto") -> None:
+         backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
+         tf32: bool = False) -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -163,6 +165,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     for name in ("thinker", "talker"):
         deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency))
     deploy["stages"]["token2wav"].update(max_num_seqs=max(concurrency), dtype=token2wav_dtype)
+    deploy["stages"]["token2wav"]["options"]["tf32"] = tf32
     if not torch.cuda.is_available():
         deploy.update(worker_backend="inline")
         for stage in deploy["stages"].values():
@@ -191,7 +194,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             results = [r for rs, _ in runs for r in rs]
             wall = statistics.median(w for _, w in runs)
             audio = sum(r["audio"] for r in runs[0][0])
-            record(part="omnistage", backend=deploy["worker_backend"], token2wav_dtype=token2wav_dtype,
+            record(part="omnistage", backend=deploy["worker_backend"], token2wav_dtype=token2wav_dtype, tf32=tf32,
                    concurrency=n, requests=len(runs[0][0]),
                    prompt_tokens=results[0]["prompt"],
                    thinker_tokens=thinker_tokens, codes=codes,
@@ -222,6 +225,8 @@ def main() -> None:
     ap.add_argument("--parts", default="ours,hf", help="ours, hf or both")
     ap.add_argument("--backends", default="process", help="omnistage worker backends to run, e.g. process,inline")
     ap.add_argument("--token2wav-dtype", default="auto", help="the DiT's dtype: auto (float32) or bfloat16")
+    ap.add_argument("--tf32", action="store_true", help="token2wav's float32 DiT matmuls on TF32 tensor cores")
+    ap.add_argument("--wave-timeout", type=float, default=240.0, help="seconds before a wave counts as stuck")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
@@ -246,8 +251,8 @@ def main() -> None:
     if "ours" in args.parts:
         for backend in args.backends.split(","):
             try:
-                ours(path, thinker_tokens, codes, concurrency, record, backend,
-                     token2wav_dtype=args.token2wav_dtype)
+                ours(path, thinker_tokens, codes, concurrency, record, backend, args.wave_timeout,
+                     token2wav_dtype=args.token2wav_dtype, tf32=args.tf32)
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")

@@ -1,4 +1,4 @@
-"""Host-to-device copies that do not wait for the device."""
+"""Host-to-device copies that do not wait for the device; streams to capture CUDA graphs on."""
 
 from __future__ import annotations
 
@@ -13,3 +13,11 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def own_capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
+    """A stream to capture one component's CUDA graphs on. cuBLAS keeps a workspace per (handle, stream) and
+    a graph keeps the one it was captured with: graphs captured on torch's shared default capture stream
+    would share it, and stages replaying theirs at once in one process (inline workers, each on its own
+    stream) would race on it (split matmuls synchronise through it: a hang, not just wrong numbers)."""
+    return torch.cuda.Stream(device)

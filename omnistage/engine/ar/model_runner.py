@@ -19,7 +19,7 @@ import torch
 from omnistage.engine.ar.attention import AttentionMetadata, PagedKVCache
 from omnistage.engine.ar.model import ARModel
 from omnistage.engine.ar.sequence import Sequence
-from omnistage.engine.transfer import to_device
+from omnistage.engine.transfer import own_capture_stream, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ class ModelRunner:
         if getattr(self.model, "graph_embed_adds", False):
             width = self.model.embed(ids[:1]).shape[-1]
             self._dev_adds = torch.zeros(n, width, dtype=self.model.kv_spec.dtype, device=self.device)
-        pool = None
+        pool, capture_stream = None, own_capture_stream(self.device)
         for size in reversed(sizes):
             meta = AttentionMetadata(
                 kv_cache=self.kv_cache, slot_mapping=slots[:size], block_tables=self._dev_tables[:size],
@@ -319,7 +319,7 @@ class ModelRunner:
 
             forward()  # warm up (Triton compiles, allocator settles) outside the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
                 logits, argmax, layers = forward()
             pool = graph.pool()
             self.graphs[size] = (graph, logits, argmax, layers)

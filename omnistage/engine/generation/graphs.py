@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from omnistage.engine.transfer import own_capture_stream
+
 
 class BatchGraphs:
     """`fn(*inputs) -> output`, all batch-first, replayed from graphs where (1, length) was captured.
@@ -28,9 +30,11 @@ class BatchGraphs:
         self.batches = [1 << i for i in range(max(1, max_batch).bit_length())]  # 1, 2, 4, ... <= max_batch
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
         self.pool = pool
+        self.stream: torch.cuda.Stream | None = None  # captures run on it (see own_capture_stream)
 
     def capture(self, *inputs: torch.Tensor) -> None:
         """Graphs for every batch size from one example row (`inputs` with batch 1)."""
+        self.stream = self.stream or own_capture_stream(inputs[0].device)
         for batch in self.batches:
             static_inputs = [x.expand(batch, *x.shape[1:]).clone() for x in inputs]
             with self.context():
@@ -38,7 +42,7 @@ class BatchGraphs:
                     self.fn(*static_inputs)  # warm-up outside a capture (lazy initialisation, allocator)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: stages in other threads may keep running (and syncing) while this one captures
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
                     static_out = self.fn(*static_inputs)
             self.pool = self.pool or graph.pool()
             self.graphs[(batch, inputs[self.key_input].shape[-1])] = (graph, static_inputs, static_out)
