@@ -235,20 +235,25 @@ class Token2Wav:
             return
         started = time.perf_counter()
         speaker, features = next(iter(self.speakers.values()))
+        shapes = self.window_shapes()
         with torch.inference_mode():
-            for codes, frames in self.window_shapes():
+            for codes in {codes for codes, _ in shapes}:
                 self.solve.capture(torch.zeros(1, codes * self.dit.repeats, self.dit.mel_dim, device=self.device,
                                                dtype=self.dit_dtype),
                                    torch.zeros(1, codes, dtype=torch.long, device=self.device), speaker, features)
+            for frames in {frames for _, frames in shapes}:
                 self.vocode.capture(torch.zeros(1, self.dit.mel_dim, frames, device=self.device))
         logger.info("token2wav: captured %d solve and %d vocoder graphs in %.1fs", len(self.solve.graphs),
                     len(self.vocode.graphs), time.perf_counter() - started)
 
     def window_shapes(self) -> set[tuple[int, int]]:
-        """(codes solved, mel frames vocoded) of a request's first window and of its steady-state ones."""
-        probe = StageInput("shapes", [0] * (self.first_window + 3 * self.window + self.right), params={}, final=False)
+        """(codes solved, mel frames vocoded) of a request's first window and of its later full ones. Windows
+        start on DiT blocks: with a left context that is not a whole number of blocks their lengths cycle
+        (at most `block` windows long); with the defaults every later window has one shape."""
+        later = [self.first_window + k * self.window for k in range(self.block)]
+        probe = StageInput("shapes", [0] * (later[-1] + self.window + self.right), params={}, final=False)
         shapes = set()
-        for done in (0, self.first_window + self.window):
+        for done in [0, *later]:
             probe.params["emitted"] = done
             plan = self._plan(probe)
             lo, hi = self._vocoder_span(done, plan)
