@@ -184,8 +184,10 @@ class InlineStageWorker:
         self.on_exit = on_exit
         self._stats: dict[str, Any] = {}
         device = getattr(engine, "device", None)
-        self.stream = torch.cuda.Stream(device) if device is not None and torch.device(device).type == "cuda" \
-            else None
+        self.stream = None
+        if device is not None and torch.device(device).type == "cuda":
+            self.stream = torch.cuda.Stream(device)
+            torch.cuda.synchronize(device)  # what building the engine left on the default stream is done
         self.loop = EngineLoop(stage, engine, self._report, receive=self._receive)
         self._stopping = False
         self.thread = threading.Thread(target=self._run, name=f"stage-{stage}-{replica}", daemon=True)
@@ -212,6 +214,9 @@ class InlineStageWorker:
         if not isinstance(arg, _Written):
             return arg
         assert self.stream is not None
+        if any(tensor.device != self.stream.device for tensor in arg.tensors):
+            arg.event.synchronize()  # from another GPU: wait here (the allocator tracks streams per device)
+            return arg.inp
         self.stream.wait_event(arg.event)
         for tensor in arg.tensors:
             tensor.record_stream(self.stream)
