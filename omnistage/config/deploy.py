@@ -40,6 +40,10 @@ class StageConfig(_Strict):
     enable_chunked_prefill: bool = True
     overlap_decode: bool = Field(True, description="Keep a greedy decode step in flight while the host reads the last")
     enforce_eager: bool = False
+    stream_priority: Literal["high", "normal"] | None = Field(
+        None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
+        "favours when stages share it; None: high for autoregressive stages (short steps a request waits on), "
+        "normal for the rest")
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict, description="Stage-specific knobs its family documents")
 

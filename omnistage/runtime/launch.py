@@ -41,7 +41,8 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
     links = connector_choice(pipeline)
     if backend == "inline":
         def make_worker(stage: str, replica: int, on_outputs: OutputCallback, on_exit: ExitCallback):
-            return InlineStageWorker(stage, replica, pipeline.build_engine(stage), on_outputs, on_exit)
+            return InlineStageWorker(stage, replica, pipeline.build_engine(stage), on_outputs, on_exit,
+                                     pipeline.stage_config(stage).stream_priority)
 
         return Orchestrator(pipeline, make_worker)
 

@@ -173,12 +173,14 @@ class InlineStageWorker:
 
     Stages sharing a GPU in one process then overlap: one stage's long kernels (a whole flow-matching
     solve) do not hold up another's short decode steps, as they would on one stream, or across
-    processes under the GPU's time slicing. GPU tensors handed over from another stage are read only
+    processes under the GPU's time slicing. Latency-bound engines (autoregressive decoding: many short
+    kernels a request waits on, step after step) get a high-priority stream, so their kernels take the next
+    free multiprocessors ahead of a long solve's queue. GPU tensors handed over from another stage are read only
     after the stream that wrote them got there (an event, no host wait), and the allocator is told
     this stream uses them, so their memory is not reused before it has read them."""
 
     def __init__(self, stage: str, replica: int, engine: Engine, on_outputs: OutputCallback,
-                 on_exit: ExitCallback | None = None):
+                 on_exit: ExitCallback | None = None, stream_priority: str | None = None):
         self.stage, self.replica = stage, replica
         self.inflight = InFlight(stage, replica, on_outputs)
         self.on_exit = on_exit
@@ -186,7 +188,8 @@ class InlineStageWorker:
         device = getattr(engine, "device", None)
         self.stream = None
         if device is not None and torch.device(device).type == "cuda":
-            self.stream = torch.cuda.Stream(device)
+            high = stream_priority == "high" or (stream_priority is None and getattr(engine, "latency_bound", False))
+            self.stream = torch.cuda.Stream(device, priority=-1 if high else 0)
             torch.cuda.synchronize(device)  # what building the engine left on the default stream is done
         self.loop = EngineLoop(stage, engine, self._report, receive=self._receive)
         self._stopping = False

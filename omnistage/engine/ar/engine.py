@@ -44,6 +44,8 @@ class AREngineConfig:
 
 
 class AREngine:
+    latency_bound = True  # a request waits on every decode step: hosts favour its GPU work (stream priority)
+
     def __init__(
         self,
         name: str,
