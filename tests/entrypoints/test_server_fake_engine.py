@@ -30,6 +30,20 @@ def test_stage_error_non_stream_is_5xx(fake_served: Served) -> None:
     assert_still_serving(fake_served)
 
 
+def test_stage_error_non_stream_aborts_the_other_choices(fake_served: Served) -> None:
+    """One prompt of a batch fails after two tokens: the answer is an error at once, and the other prompt's
+    generation (50 tokens to go) is aborted rather than run to its end for nothing."""
+    engine = fake_served.engine
+    engine.aborted.clear()
+    body = {"prompt": ["please FAIL", "a long answer"], "max_tokens": 50}
+    with fake_served.http() as http:
+        assert_openai_error(http.post("/v1/completions", json=body), 500, "boom")
+    other = [r.request_id for r in engine.requests if r.prompt == "a long answer"][-1]
+    assert other in engine.aborted
+    assert wait_for(lambda: other not in engine.running, timeout=5)
+    assert_still_serving(fake_served)
+
+
 def test_stage_error_mid_stream_is_in_band(fake_served: Served) -> None:
     body = {"messages": CHAT_FAIL, "max_tokens": 8, "stream": True}
     with fake_served.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as resp:

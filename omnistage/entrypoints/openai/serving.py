@@ -219,12 +219,15 @@ class Fanout:
 
 
 async def collect(fan: Fanout) -> list[OmniOutput]:
-    """Each generation's deltas merged into one output; raises the first (by choice index) that failed."""
+    """Each generation's deltas merged into one output. The first failure raises at once and aborts the
+    other generations: the response is an error whatever they would have produced."""
     merged = [OmniOutput(request_id=r.request_id) for r in fan.requests]
-    async for i, out in fan.events():
-        merged[i].merge(out)
-    for out in merged:
-        raise_if_failed(out)
+    try:
+        async for i, out in fan.events():
+            raise_if_failed(out)
+            merged[i].merge(out)
+    finally:
+        await fan.aclose()
     return merged
 
 
