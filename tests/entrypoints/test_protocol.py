@@ -7,7 +7,13 @@ from pydantic import ValidationError
 
 from omnistage.engine.types import TokenLogprob
 from omnistage.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, seeded_copies
-from omnistage.entrypoints.openai.server import TokenTexts, chat_logprobs, completion_logprobs, validation_message
+from omnistage.entrypoints.openai.server import (
+    TextOffsets,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    validation_message,
+)
 from omnistage.sampling_params import InvalidParams, SamplingParams
 
 USER = [{"role": "user", "content": "hi"}]
@@ -116,9 +122,27 @@ def test_logprob_formats() -> None:
     assert chat_lp is not None and chat_lp.content is not None
     assert [e.token for e in chat_lp.content] == ["token_id:1", "token_id:3"]
     assert chat_lp.content[0].top_logprobs[1].logprob == -9999.0  # JSON has no -inf
-    comp, offset = completion_logprobs(lps, texts, 5)
-    assert comp is not None and comp.text_offset == [5, 15] and offset == 25
+    offsets = TextOffsets(5)
+    comp = completion_logprobs(lps, texts, offsets)
+    assert comp is not None and comp.text_offset == [5, 15] and offsets.chars == 25
     assert comp.top_logprobs[0] == {"token_id:1": -0.25, "token_id:2": -9999.0}
+
+
+def test_text_offsets_count_characters_split_over_byte_tokens(tiny_qwen2: str) -> None:
+    """The emoji is four byte tokens and the é two: each of them starts where its character does, and the
+    offsets carry over between streamed deltas."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    texts = TokenTexts(tok)
+    ids = tok("a\U0001F642b é!", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 10  # a, 4 emoji bytes, b, space, 2 bytes of é, !
+    offsets, got = TextOffsets(), []
+    for delta in (ids[:3], ids[3:8], ids[8:]):
+        comp = completion_logprobs([TokenLogprob(i, -1.0, []) for i in delta], texts, offsets)
+        got += comp.text_offset
+    assert got == [0, 1, 1, 1, 1, 2, 3, 4, 4, 5]
+    assert offsets.chars == len("a\U0001F642b é!")
 
 
 def test_null_fields_mean_unset() -> None:

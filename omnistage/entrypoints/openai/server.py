@@ -37,6 +37,7 @@ from omnistage.entrypoints.openai.protocol import (
 )
 from omnistage.entrypoints.openai.serving import (
     Fanout,
+    TextOffsets,
     TokenTexts,
     chat_chunks,
     chat_logprobs,
@@ -63,6 +64,7 @@ __all__ = [
     # re-exported from serving.py for existing importers
     "TokenTexts",
     "chat_logprobs",
+    "TextOffsets",
     "completion_logprobs",
 ]
 

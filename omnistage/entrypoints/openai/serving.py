@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import difflib
 import itertools
 import logging
@@ -301,21 +302,35 @@ def chat_logprobs(logprobs: list[TokenLogprob] | None, texts: TokenTexts) -> Cho
     return ChoiceLogprobs(content=entries)
 
 
+class TextOffsets:
+    """Where each token of a choice starts in its text, in characters: the text's UTF-8 bytes are decoded
+    as tokens come, so a character split over several byte tokens counts once (they all start at it)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.chars = start
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, text: str, raw: list[int] | None) -> int:
+        """The offset of a token spelled `text` (utf-8 bytes `raw`), then moves past it."""
+        offset = self.chars
+        self.chars += len(self.decoder.decode(bytes(raw) if raw is not None else text.encode()))
+        return offset
+
+
 def completion_logprobs(
-    logprobs: list[TokenLogprob] | None, texts: TokenTexts, offset: int
-) -> tuple[CompletionLogprobs | None, int]:
-    """Completions-format logprobs for a delta; `offset` is the choice's text length so far."""
+    logprobs: list[TokenLogprob] | None, texts: TokenTexts, offsets: TextOffsets
+) -> CompletionLogprobs | None:
+    """Completions-format logprobs for a delta; `offsets` carries the choice's position between deltas."""
     if logprobs is None:
-        return None, offset
+        return None
     out = CompletionLogprobs()
     for lp in logprobs:
-        text = texts(lp.token_id)[0]
+        text, raw = texts(lp.token_id)
         out.tokens.append(text)
         out.token_logprobs.append(_finite(lp.logprob))
         out.top_logprobs.append({texts(t)[0]: _finite(p) for t, p in lp.top})
-        out.text_offset.append(offset)
-        offset += len(text)
-    return out, offset
+        out.text_offset.append(offsets.add(text, raw))
+    return out
 
 
 # ---------------------------------------------------------------- audio
@@ -429,27 +444,26 @@ async def chat_chunks(
 
 
 def _completion_choice(
-    body: CompletionRequest, texts: TokenTexts, i: int, out: OmniOutput, offset: int = 0
-) -> tuple[CompletionChoice, int]:
-    """A whole choice or a streamed piece of one (the same shape); `offset` is the choice's text length
-    before `out`, and the length after it is returned for the next piece's logprobs."""
+    body: CompletionRequest, texts: TokenTexts, i: int, out: OmniOutput, offsets: TextOffsets | None = None
+) -> CompletionChoice:
+    """A whole choice or a streamed piece of one (the same shape); `offsets`: where the choice's earlier
+    pieces left its text positions."""
     logprobs = None
     if body.logprobs is not None:
-        logprobs, offset = completion_logprobs(out.logprobs, texts, offset)
-    choice = CompletionChoice(
+        logprobs = completion_logprobs(out.logprobs, texts, offsets or TextOffsets())
+    return CompletionChoice(
         index=i,
         text=out.text,
         logprobs=logprobs,
         finish_reason=out.finish_reason if out.finished else None,
         token_ids=out.token_ids if body.return_token_ids else None,
     )
-    return choice, offset
 
 
 def render_completion(
     body: CompletionRequest, rid: str, model: str, outputs: list[OmniOutput], texts: TokenTexts
 ) -> Completion:
-    choices = [_completion_choice(body, texts, i, out)[0] for i, out in enumerate(outputs)]
+    choices = [_completion_choice(body, texts, i, out) for i, out in enumerate(outputs)]
     return Completion(id=rid, model=model, choices=choices, usage=usage_of(outputs, body.n))
 
 
@@ -457,13 +471,12 @@ async def completion_chunks(
     fan: Fanout, body: CompletionRequest, rid: str, model: str, texts: TokenTexts
 ) -> AsyncIterator[BaseModel]:
     chunk = partial(Completion, id=rid, created=int(time.time()), model=model)
-    offsets = [0] * len(fan.requests)
+    offsets = [TextOffsets() for _ in fan.requests]
 
     def choice(i: int, out: OmniOutput) -> CompletionChoice | None:
         if not (out.text or out.token_ids or out.finished):
             return None
-        piece, offsets[i] = _completion_choice(body, texts, i, out, offsets[i])
-        return piece
+        return _completion_choice(body, texts, i, out, offsets[i])
 
     async for c in _chunks(fan, body, chunk, choice):
         yield c
