@@ -212,16 +212,45 @@ def _wait_open(path: str, key: Key, timeout: float | None) -> int:
                 pause = min(pause * 2, 500e-6)
 
 
-class TcpConnector:
-    """One end of a link between hosts over ZMQ/TCP. Each end binds a PULL socket (its `address`)
-    and pushes to its peer's after `connect`. A receiver thread files incoming payloads by key;
-    `get` waits for its key and builds tensors on the received frames (no extra copy)."""
+# ---- TCP sockets: CURVE-authenticated and encrypted ---------------------------------------------------
+# A deployment's processes share one CURVE key pair, handed to them in their worker specs (never sent over
+# the sockets). Every socket that binds a TCP port serves with it and every socket that dials one must know
+# its public key: a peer that does not cannot complete the handshake, so it can neither inject commands or
+# payloads nor read them. ("" = plain TCP, for tests of that very refusal.)
 
-    def __init__(self, host: str = "127.0.0.1", advertise: str | None = None):
+
+def curve_key() -> str:
+    """A fresh key pair, "public secret" in Z85."""
+    public, secret = zmq.curve_keypair()
+    return f"{public.decode()} {secret.decode()}"
+
+
+def serve_securely(sock: zmq.Socket, key: str) -> None:
+    """Before `bind`: the socket accepts only peers that know `key`'s public half."""
+    if key:
+        public, secret = key.split()
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public.encode(), secret.encode(), True
+
+
+def dial_securely(sock: zmq.Socket, key: str) -> None:
+    """Before `connect`: the socket proves it knows the server's public key (its own pair is throwaway)."""
+    if key:
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = key.split()[0].encode()
+
+
+class TcpConnector:
+    """One end of a link between hosts over ZMQ/TCP (CURVE with the deployment's `key`). Each end binds a
+    PULL socket (its `address`) and pushes to its peer's after `connect`. A receiver thread files incoming
+    payloads by key; `get` waits for its key and builds tensors on the received frames (no extra copy)."""
+
+    def __init__(self, host: str = "127.0.0.1", advertise: str | None = None, key: str = ""):
         self._ctx = zmq.Context()
+        self._key = key
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
+        serve_securely(self._pull, key)
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{advertise or host}:{port}"
         self._push: zmq.Socket | None = None
@@ -234,6 +263,7 @@ class TcpConnector:
         push = self._ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.setsockopt(zmq.SNDHWM, 0)
+        dial_securely(push, self._key)
         push.connect(peer_address)
         self._push = push
 
@@ -287,13 +317,14 @@ class LinkSpec:
     prefix: str = ""  # shm: segment name prefix
     host: str = "127.0.0.1"  # tcp: address to bind (and that the peer dials)
     peer: str | None = None  # tcp: the other end's address, when known up front
+    key: str = ""  # tcp: the deployment's CURVE key pair (curve_key)
 
 
 def open_link(spec: LinkSpec, owner: bool = False) -> ShmConnector | TcpConnector:
     if spec.type == "shm":
         return ShmConnector(spec.prefix, spec.side, owner=owner)
     if spec.type == "tcp":
-        end = TcpConnector(spec.host)
+        end = TcpConnector(spec.host, key=spec.key)
         if spec.peer:
             end.connect(spec.peer)
         return end

@@ -83,6 +83,7 @@ class WorkerSpec(msgspec.Struct):
     outbox: LinkSpec  # payloads worker -> orchestrator (worker's end)
     inline_max_bytes: int
     parent_pid: int = 0  # exit when this process is gone (0: don't watch, e.g. under Ray)
+    curve_key: str = ""  # TCP control sockets: the deployment's CURVE key pair (connector.curve_key)
     sys_path: list[str] = []
     env: dict[str, str] = {}
 

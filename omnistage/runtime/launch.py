@@ -19,6 +19,7 @@ from omnistage.errors import ConfigError
 from omnistage.families.base import Pipeline
 from omnistage.families.registry import PLUGINS_ENV, detect_family
 from omnistage.runtime import control
+from omnistage.runtime.connector import curve_key
 from omnistage.runtime.orchestrator import Orchestrator
 from omnistage.runtime.process import ProcessStageWorker, RayActor, Subprocess, new_link
 from omnistage.runtime.worker import ExitCallback, InlineStageWorker, OutputCallback
@@ -47,6 +48,7 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
         return Orchestrator(pipeline, make_worker)
 
     deploy = pipeline.deploy.model_dump(mode="json", exclude_unset=True)
+    key = curve_key()  # secures every TCP socket of this deployment (connector.py)
     if backend == "ray":
         import ray
 
@@ -63,7 +65,7 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
         spec = control.WorkerSpec(
             model=str(pipeline.model_path), deploy=deploy, stage=stage, replica=replica, devices=None,
             command_address="", event_address="",  # the ProcessStageWorker picks them
-            inbox=_worker_end(inbox), outbox=_worker_end(outbox),
+            inbox=_worker_end(inbox, key), outbox=_worker_end(outbox, key), curve_key=key,
             inline_max_bytes=min(inbox.inline_max_bytes, outbox.inline_max_bytes),
             parent_pid=os.getpid() if backend == "process" else 0,
             sys_path=[p for p in sys.path if p], env=_plugin_env(),
@@ -114,8 +116,8 @@ def connector_choice(pipeline: Pipeline) -> dict[str, dict[str, ConnectorConfig]
     return out
 
 
-def _worker_end(cfg: ConnectorConfig) -> Any:
-    return new_link(cfg.type, host="auto")  # tcp: the worker binds on its address toward us
+def _worker_end(cfg: ConnectorConfig, key: str) -> Any:
+    return new_link(cfg.type, host="auto", key=key)  # tcp: the worker binds on its address toward us
 
 
 def _device_ids(devices: str | None) -> list[str]:

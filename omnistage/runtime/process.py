@@ -29,7 +29,7 @@ import zmq
 from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import StageError
 from omnistage.runtime import control
-from omnistage.runtime.connector import LinkSpec, open_link
+from omnistage.runtime.connector import LinkSpec, dial_securely, open_link, serve_securely
 from omnistage.runtime.worker import ExitCallback, InFlight, OutputCallback
 
 logger = logging.getLogger(__name__)
@@ -151,15 +151,17 @@ class ProcessStageWorker:
         self._events = self._ctx.socket(zmq.PULL)
         self._events.setsockopt(zmq.RCVHWM, 0)
         self._events.setsockopt(zmq.LINGER, 0)
-        if bind_host is None:
-            self._events.bind(f"ipc://{self._tmp}/events")
-            spec.event_address, spec.command_address = f"ipc://{self._tmp}/events", f"ipc://{self._tmp}/commands"
-        else:
-            spec.event_address = f"tcp://{bind_host}:{self._events.bind_to_random_port(f'tcp://{bind_host}')}"
-            spec.command_address = "tcp://auto"
         self._commands = self._ctx.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.SNDHWM, 0)
         self._commands.setsockopt(zmq.LINGER, 0)
+        if bind_host is None:  # one host: ipc sockets in our private temporary directory
+            self._events.bind(f"ipc://{self._tmp}/events")
+            spec.event_address, spec.command_address = f"ipc://{self._tmp}/events", f"ipc://{self._tmp}/commands"
+        else:
+            serve_securely(self._events, spec.curve_key)
+            dial_securely(self._commands, spec.curve_key)
+            spec.event_address = f"tcp://{bind_host}:{self._events.bind_to_random_port(f'tcp://{bind_host}')}"
+            spec.command_address = "tcp://auto"
         # Our ends of the links: we own them (purge what a dead worker leaves behind).
         self._inbox_end = open_link(_peer_end(spec.inbox, bind_host or "127.0.0.1"), owner=True)
         self._outbox_end = open_link(_peer_end(spec.outbox, bind_host or "127.0.0.1"), owner=True)
@@ -300,9 +302,9 @@ class ProcessStageWorker:
 
 def _peer_end(worker_end: LinkSpec, host: str) -> LinkSpec:
     """The orchestrator's end of a link whose worker end is `worker_end`."""
-    return LinkSpec(worker_end.type, side="a", prefix=worker_end.prefix, host=host)
+    return LinkSpec(worker_end.type, side="a", prefix=worker_end.prefix, host=host, key=worker_end.key)
 
 
-def new_link(kind: str, host: str = "127.0.0.1") -> LinkSpec:
-    """The worker's end of a fresh link (unique shm prefix; tcp ports are picked at bind time)."""
-    return LinkSpec(kind, side="b", prefix=f"omnistage-{os.getpid()}-{uuid.uuid4().hex[:10]}", host=host)
+def new_link(kind: str, host: str = "127.0.0.1", key: str = "") -> LinkSpec:
+    """The worker's end of a fresh link (unique shm prefix; tcp ports are picked at bind time, `key` secures them)."""
+    return LinkSpec(kind, side="b", prefix=f"omnistage-{os.getpid()}-{uuid.uuid4().hex[:10]}", host=host, key=key)

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from omnistage.runtime import control
-from omnistage.runtime.connector import ShmConnector, open_link
+from omnistage.runtime.connector import ShmConnector, dial_securely, open_link, serve_securely
 
 
 def serve(spec: control.WorkerSpec) -> int:
@@ -35,6 +35,8 @@ def serve(spec: control.WorkerSpec) -> int:
     events = ctx.socket(zmq.PUSH)
     events.setsockopt(zmq.SNDHWM, 0)
     events.setsockopt(zmq.LINGER, 5000)  # let the last outputs (or the failure) reach the orchestrator
+    if spec.event_address.startswith("tcp://"):
+        dial_securely(events, spec.curve_key)
     events.connect(spec.event_address)
     lock = threading.Lock()  # the loop thread and this one both report
 
@@ -79,6 +81,7 @@ def serve(spec: control.WorkerSpec) -> int:
             commands.bind(spec.command_address)
             command_address = spec.command_address
         else:  # "tcp://auto": any free port on our address toward the orchestrator
+            serve_securely(commands, spec.curve_key)
             command_address = f"tcp://{host}:{commands.bind_to_random_port(f'tcp://{host}')}"
         receiver = threading.Thread(target=_receive, args=(commands, inbox, loop, stopping), name="commands",
                                     daemon=True)

@@ -8,12 +8,21 @@ import os
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from omnistage.engine.types import StageInput, StageOutput, TokenLogprob
 from omnistage.runtime import serialization
-from omnistage.runtime.connector import InProcessConnector, LinkSpec, ShmConnector, TcpConnector, open_link
+from omnistage.runtime.connector import (
+    InProcessConnector,
+    LinkSpec,
+    ShmConnector,
+    TcpConnector,
+    curve_key,
+    dial_securely,
+    open_link,
+)
 from omnistage.sampling_params import SamplingParams
 
 SHM = Path("/dev/shm")
@@ -80,7 +89,8 @@ def link(request: pytest.FixtureRequest):
         prefix = f"omnistage-test-{os.getpid()}-{request.node.name[-12:].strip('[]')}"
         a, b = ShmConnector(prefix, "a", owner=True), ShmConnector(prefix, "b")
     else:
-        a, b = open_link(LinkSpec("tcp", "a")), open_link(LinkSpec("tcp", "b"))
+        key = curve_key()
+        a, b = open_link(LinkSpec("tcp", "a", key=key)), open_link(LinkSpec("tcp", "b", key=key))
         a.connect(b.address)
         b.connect(a.address)
     yield a, b
@@ -120,6 +130,34 @@ def test_cleanup_drops_one_requests_payloads(link) -> None:
     with pytest.raises(TimeoutError):
         b.get(("gone", "e", 0), timeout=0.05)
     assert torch.equal(b.get(("kept", "e", 0), timeout=5), torch.ones(8))
+
+
+@pytest.mark.parametrize("intruder_key", ["", "another"], ids=["plain-tcp", "another-deployment"])
+def test_tcp_link_refuses_peers_without_the_deployment_key(intruder_key: str) -> None:
+    """Anything that reaches the port but does not know the key (a plain ZMQ socket, or one holding some
+    other key pair) cannot deliver a payload; the real peer still can."""
+    import zmq
+
+    from omnistage.runtime import serialization
+
+    key = curve_key()
+    receiver, sender = TcpConnector(key=key), TcpConnector(key=key)
+    ctx = zmq.Context()
+    intruder = ctx.socket(zmq.PUSH)
+    intruder.setsockopt(zmq.LINGER, 0)
+    dial_securely(intruder, curve_key() if intruder_key else "")
+    intruder.connect(receiver.address)
+    header, buffers = serialization.pack(torch.zeros(4))
+    intruder.send_multipart([msgspec.msgpack.encode(["evil", "e", 0]), header, *buffers])
+    sender.connect(receiver.address)
+    sender.put(("fine", "e", 0), torch.ones(4))
+    assert torch.equal(receiver.get(("fine", "e", 0), timeout=5), torch.ones(4))
+    with pytest.raises(TimeoutError):
+        receiver.get(("evil", "e", 0), timeout=0.5)
+    intruder.close()
+    ctx.term()
+    sender.close()
+    receiver.close()
 
 
 def test_shm_segments_are_recycled_and_purged() -> None:
