@@ -215,7 +215,7 @@ def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: Stage
 
 TOKEN2WAV_OPTIONS = {
     "window": "codes per streamed audio chunk; 0 decodes the whole utterance at the end",
-    "first_window": "codes in the first chunk (smaller: audio starts sooner); default: window",
+    "first_window": "codes in the first chunk (smaller: audio starts sooner); default: 24, or window if smaller",
     "left": "codes of left context each window is decoded with; default: what the DiT attends back to",
     "right": "codes of look-ahead each window waits for; default: what the DiT attends ahead to",
     "vocoder_context": "mel frames of context on each side of a window for the vocoder",
@@ -241,10 +241,20 @@ class Qwen25OmniFamily:
         return "Qwen2_5OmniForConditionalGeneration" in info.architectures
 
     def default_deploy(self, info: CheckpointInfo) -> dict[str, Any]:
+        """What configs/qwen2_5_omni/1gpu.yaml sets, for a server started without a deploy config: the three
+        stages share one device in the server process, each with its memory share; speech streams."""
         # The talker's released sampling settings (transformers' generate defaults); it speaks until its
         # end code or the end of its context (max_tokens None).
         talker = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "max_tokens": None}
-        return {"stages": {"talker": {"default_sampling_params": talker}}}
+        return {
+            "worker_backend": "inline",
+            "async_chunk": True,
+            "stages": {
+                "thinker": {"gpu_memory_utilization": 0.55},
+                "talker": {"gpu_memory_utilization": 0.25, "default_sampling_params": talker},
+                "token2wav": {"max_num_seqs": 32, "options": {"window": 48}},
+            },
+        }
 
     def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> OmniPipeline:
         from transformers import Qwen2_5OmniConfig, Qwen2_5OmniProcessor

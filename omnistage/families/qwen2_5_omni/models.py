@@ -189,7 +189,7 @@ class Token2Wav:
     """Codes -> 24 kHz waveform, seeded per request; the DiT in float32 unless asked otherwise.
 
     With `window` codes > 0, audio is decoded while codes still arrive (the first chunk may be smaller:
-    `first_window`): each window is decoded with `left` codes of context before it and `right` after it,
+    `first_window`, by default FIRST_WINDOW or `window` if smaller): each window is decoded with `left` codes of context before it and `right` after it,
     by default the blocks the DiT's block attention reaches; the vocoder gets `vocoder_context` mel frames
     on each side. Every window draws its starting noise from the same per-request noise the whole utterance
     would use; tests bound the streamed audio's distance from a one-shot decode. `window == 0`: one shot.
@@ -201,6 +201,7 @@ class Token2Wav:
     """
 
     HOP = 240  # waveform samples per mel frame
+    FIRST_WINDOW = 24  # codes (~0.5 s of audio) in the first chunk unless set: audio starts early
 
     def __init__(self, model: nn.Module, voices: dict[str, dict[str, torch.Tensor]], device: torch.device,
                  window: int = 0, first_window: int | None = None, left: int | None = None,
@@ -216,7 +217,7 @@ class Token2Wav:
         self.block = max(1, dit.block_size // dit.repeats)
         self.left = self.block * len(dit.look_backward_layers) if left is None else left
         self.right = self.block * len(dit.look_ahead_layers) if right is None else right
-        self.window, self.first_window = window, first_window or window
+        self.window, self.first_window = window, first_window or min(window, self.FIRST_WINDOW)
         self.vocoder_context = vocoder_context
         self.solver = DiTSolver(self.dit, num_steps, guidance_scale, sway_coefficient)
         with torch.inference_mode():  # per voice: its `cond` and its speaker-encoder features
