@@ -189,10 +189,11 @@ class Token2Wav:
     """Codes -> 24 kHz waveform, seeded per request; the DiT in float32 unless asked otherwise.
 
     With `window` codes > 0, audio is decoded while codes still arrive (the first chunk may be smaller:
-    `first_window`, by default FIRST_WINDOW or `window` if smaller): each window is decoded with `left` codes of context before it and `right` after it,
-    by default the blocks the DiT's block attention reaches; the vocoder gets `vocoder_context` mel frames
-    on each side. Every window draws its starting noise from the same per-request noise the whole utterance
-    would use; tests bound the streamed audio's distance from a one-shot decode. `window == 0`: one shot.
+    `first_window`, by default FIRST_WINDOW or `window` if smaller): each window is decoded with `left`
+    codes of context before it and `right` after it, by default the blocks the DiT's block attention
+    reaches; the vocoder gets `vocoder_context` mel frames on each side. Every window draws its starting
+    noise from the same per-request noise the whole utterance would use; tests bound the streamed audio's
+    distance from a one-shot decode. `window == 0`: one shot.
 
     Same-length windows of different requests share one flow-matching solve and one vocoder pass. On CUDA
     both are captured as graphs at start-up for the first- and middle-window shapes (batches of 1, 2, 4, ...
