@@ -216,13 +216,13 @@ class InlineStageWorker:
         """Called on this stage's thread, before its engine sees the input."""
         if not isinstance(arg, _Written):
             return arg
-        assert self.stream is not None
-        if any(tensor.device != self.stream.device for tensor in arg.tensors):
-            arg.event.synchronize()  # from another GPU: wait here (the allocator tracks streams per device)
-            return arg.inp
-        self.stream.wait_event(arg.event)
+        # This thread's stream on each device holding them: ours on our device; on another (tensors this stage
+        # copies over from there), that device's stream in this thread, where torch runs the copy.
+        streams = {tensor.device: torch.cuda.current_stream(tensor.device) for tensor in arg.tensors}
+        for stream in streams.values():
+            stream.wait_event(arg.event)
         for tensor in arg.tensors:
-            tensor.record_stream(self.stream)
+            tensor.record_stream(streams[tensor.device])
         return arg.inp
 
     def abort(self, request_id: str) -> None:
