@@ -12,12 +12,14 @@ on codec ids token2wav can embed, so both sides do the same work.
 
 Each omnistage row also carries, per stage, its engine steps and mean step time over that wave, and how
 long a listener playing the audio chunks as they arrive would have waited after the first one (stalls).
-omnistage runs with the one-GPU deploy config (configs/qwen2_5_omni/1gpu.yaml: a process per stage).
+omnistage runs with the one-GPU deploy config (configs/qwen2_5_omni/1gpu.yaml: stages inline, a CUDA stream
+each); `--backends process` puts each stage in its own process instead.
 
     python benchmarks/omni_qwen2_5.py --out omni.jsonl            # full size (GPU)
     python benchmarks/omni_qwen2_5.py --checkpoint /tmp/omni      # write it once, reuse it later
     python benchmarks/omni_qwen2_5.py --parts ours --token2wav-dtype bfloat16   # the bf16 DiT
-    python benchmarks/omni_qwen2_5.py --parts ours --backends inline --tf32     # stages in one process, TF32 DiT
+    python benchmarks/omni_qwen2_5.py --parts ours --tf32                       # the TF32 DiT
+    python benchmarks/omni_qwen2_5.py --parts ours --backends inline,process    # both backends
     python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
 
 token2wav alone (window sizes, batches, DiT precision): benchmarks/token2wav_windows.py.
@@ -227,7 +229,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--parts", default="ours,hf", help="ours, hf or both")
-    ap.add_argument("--backends", default="process", help="omnistage worker backends to run, e.g. process,inline")
+    ap.add_argument("--backends", default="inline", help="omnistage worker backends to run, e.g. inline,process")
     ap.add_argument("--token2wav-dtype", default="auto", help="the DiT's dtype: auto (float32) or bfloat16")
     ap.add_argument("--tf32", action="store_true", help="token2wav's float32 DiT matmuls on TF32 tensor cores")
     ap.add_argument("--stream-priority", choices=["auto", "normal"], default="auto",
