@@ -9,11 +9,14 @@ the batch in power-of-two slices (13 = 8 + 4 + 1), so a few graphs serve every b
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 
 import torch
 
 from omnistage.engine.transfer import own_capture_stream
+
+logger = logging.getLogger(__name__)
 
 
 class BatchGraphs:
@@ -32,20 +35,31 @@ class BatchGraphs:
         self.pool = pool
         self.stream: torch.cuda.Stream | None = None  # captures run on it (see own_capture_stream)
 
-    def capture(self, *inputs: torch.Tensor) -> None:
-        """Graphs for every batch size from one example row (`inputs` with batch 1)."""
+    def capture(self, *inputs: torch.Tensor) -> bool:
+        """Graphs for every batch size from one example row (`inputs` with batch 1). False if `fn` cannot be
+        captured (an op that syncs with the host, say): this length then runs eagerly, with a warning."""
         self.stream = self.stream or own_capture_stream(inputs[0].device)
-        for batch in self.batches:
-            static_inputs = [x.expand(batch, *x.shape[1:]).clone() for x in inputs]
-            with self.context():
-                if not self.graphs:
-                    self.fn(*static_inputs)  # warm-up outside a capture (lazy initialisation, allocator)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: stages in other threads may keep running (and syncing) while this one captures
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                    static_out = self.fn(*static_inputs)
-            self.pool = self.pool or graph.pool()
-            self.graphs[(batch, inputs[self.key_input].shape[-1])] = (graph, static_inputs, static_out)
+        length = inputs[self.key_input].shape[-1]
+        try:
+            for batch in self.batches:
+                static_inputs = [x.expand(batch, *x.shape[1:]).clone() for x in inputs]
+                with self.context():
+                    if not self.graphs:
+                        self.fn(*static_inputs)  # warm-up outside a capture (lazy initialisation, allocator)
+                    graph = torch.cuda.CUDAGraph()
+                    # thread_local: stages in other threads may keep running (and syncing) while this one captures
+                    with torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+                                          capture_error_mode="thread_local"):
+                        static_out = self.fn(*static_inputs)
+                self.pool = self.pool or graph.pool()
+                self.graphs[(batch, length)] = (graph, static_inputs, static_out)
+        except RuntimeError:
+            logger.warning("could not capture %s as a CUDA graph; length %d runs eagerly",
+                           getattr(self.fn, "__qualname__", self.fn), length, exc_info=True)
+            for batch in self.batches:
+                self.graphs.pop((batch, length), None)
+            return False
+        return True
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         batch, length = inputs[self.key_input].shape[0], inputs[self.key_input].shape[-1]

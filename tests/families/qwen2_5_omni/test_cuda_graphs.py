@@ -116,3 +116,21 @@ def test_inline_stage_streams_equal_stage_processes(tiny_qwen2_5_omni: str) -> N
         assert inline.error is None and process.error is None
         assert inline.token_ids == process.token_ids and inline.audio.size > 0
         np.testing.assert_allclose(inline.audio, process.audio, rtol=0, atol=1e-5)
+
+
+def test_batch_graphs_fall_back_to_eager_when_a_capture_fails() -> None:
+    """A function that syncs with the host cannot be captured: its length runs eagerly, with the right
+    results; a capturable one replays a batch of three as 2 + 1."""
+    from omnistage.engine.generation.graphs import BatchGraphs
+
+    def syncs(x: torch.Tensor) -> torch.Tensor:
+        return x * float(x.sum().item() != 0)
+
+    ones = torch.ones(3, 8, device="cuda")
+    broken = BatchGraphs(syncs, max_batch=4)
+    assert broken.capture(ones[:1]) is False and not broken.graphs
+    assert torch.equal(broken(ones), ones)
+    doubling = BatchGraphs(lambda x: x * 2, max_batch=4)
+    assert doubling.capture(ones[:1]) and set(doubling.graphs) == {(1, 8), (2, 8), (4, 8)}
+    assert torch.equal(doubling(ones * torch.arange(3, device="cuda")[:, None]),
+                       2 * ones * torch.arange(3, device="cuda")[:, None])
