@@ -15,6 +15,7 @@ float32 one (random weights: the speech a trained model makes may react differen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -119,18 +120,14 @@ def hf_sample_seconds(model, voices: dict, codes: int, batch: int, limit: int, t
     voice = voices["Chelsie"]
     cond, ref_mel = (voice[k].to(device, dtype).expand(batch, *voice[k].shape[1:]) for k in ("cond", "ref_mel"))
     ids = torch.tensor([[(5 * j) % limit for j in range(codes)]] * batch, device=device)
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    try:
-        with torch.inference_mode():
-            dit.sample(cond, ref_mel, ids)  # warm-up
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            dit.sample(cond, ref_mel, ids)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = False
+    with torch.inference_mode(), models.tf32_matmuls() if tf32 else contextlib.nullcontext():
+        dit.sample(cond, ref_mel, ids)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dit.sample(cond, ref_mel, ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -142,11 +139,11 @@ def solve_seconds(decoder: models.Token2Wav, codes: int, batch: int, limit: int)
                         dtype=decoder.dit_dtype)
     inputs = (noise, ids, speaker.expand(batch, -1), features.expand(batch, -1, -1))
     with torch.inference_mode():
-        decoder._solve(*inputs)
+        decoder.solve(*inputs)
         if decoder.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        decoder._solve(*inputs)
+        decoder.solve(*inputs)
         if decoder.device.type == "cuda":
             torch.cuda.synchronize()
     return time.perf_counter() - start

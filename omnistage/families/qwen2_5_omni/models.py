@@ -228,12 +228,12 @@ class Token2Wav:
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared: graphs replay one at a time
         self.solve = BatchGraphs(self.solver.solve, max_batch, key_input=1, pool=pool,
-                                 context=_tf32_matmuls if tf32 else contextlib.nullcontext)
+                                 context=tf32_matmuls if tf32 else contextlib.nullcontext)
         self.vocode = BatchGraphs(self._vocode, max_batch, pool=pool)
 
     def warm_up(self) -> None:
         """Capture the solve and vocoder graphs (no-op without graphs): seconds at start-up, none while serving."""
-        if not self.use_graphs:
+        if not (self.use_graphs and self.speakers):  # no voices (no spk_dict.pt): nothing will be spoken
             return
         started = time.perf_counter()
         speaker, features = next(iter(self.speakers.values()))
@@ -356,7 +356,8 @@ _MIN_AMPLITUDE = math.exp(-115 / 20.0 * math.log(10))  # -115 dB, the vocoder's 
 
 
 @contextlib.contextmanager
-def _tf32_matmuls():
+def tf32_matmuls():
+    """float32 matmuls on TensorFloat-32 tensor cores inside the block (a process-wide switch, restored after)."""
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
