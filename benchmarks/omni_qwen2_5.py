@@ -157,7 +157,7 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
 
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
          backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
-         tf32: bool = False, stream_priority: str = "auto") -> None:
+         tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None) -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -210,6 +210,14 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    playback_stall_s_median=round(statistics.median(r["stall"] for r in results), 3),
                    requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2),
                    stages=stage_steps(before, after))
+        if profile_dir is not None:  # a trace of each concurrency's wave: host threads and GPU streams
+            from torch.profiler import ProfilerActivity, profile
+
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            for n in concurrency:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    asyncio.run(wave(n))
+                prof.export_chrome_trace(str(profile_dir / f"wave-c{n}.json"))
     finally:
         engine.shutdown()
 
@@ -236,6 +244,7 @@ def main() -> None:
                     help="inline stages' CUDA stream priorities: auto (thinker and talker high) or all normal")
     ap.add_argument("--wave-timeout", type=float, default=240.0, help="seconds before a wave counts as stuck")
     ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--profile", type=Path, help="also write a torch profiler trace of one wave per concurrency here")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
 
@@ -260,7 +269,8 @@ def main() -> None:
         for backend in args.backends.split(","):
             try:
                 ours(path, thinker_tokens, codes, concurrency, record, backend, args.wave_timeout,
-                     token2wav_dtype=args.token2wav_dtype, tf32=args.tf32, stream_priority=args.stream_priority)
+                     token2wav_dtype=args.token2wav_dtype, tf32=args.tf32, stream_priority=args.stream_priority,
+                     profile_dir=args.profile)
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")

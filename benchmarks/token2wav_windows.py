@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,tf32,bfloat16",
                     help="DiT precisions; tf32: float32 weights, TF32 matmuls")
     ap.add_argument("--out")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: per precision, CUDA kernel time of one eager batch-32 step, solve vs vocoder")
     args = ap.parse_args()
     from transformers import Qwen2_5OmniConfig
 
@@ -83,6 +85,10 @@ def main() -> None:
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    if args.profile:
+        for name in args.dtypes.split(","):
+            profile_step(model, voices, device, name, limit, record)
+        return
     reference = None
     for name in args.dtypes.split(","):  # float32 first: lower precisions are rounded from its weights
         dtype, tf32 = (torch.float32, True) if name == "tf32" else (getattr(torch, name), False)
@@ -112,6 +118,36 @@ def main() -> None:
             ours = statistics.median(solve_seconds(decoders[48], 84, batch, limit) for _ in range(3))
             record(part="dit_solve", dit_dtype=name, codes=84, batch=batch,
                    transformers_sample_ms=round(1000 * seconds, 1), omnistage_ms=round(1000 * ours, 1))
+
+
+def profile_step(model, voices: dict, device: torch.device, name: str, limit: int, record, batch: int = 32) -> None:
+    """Where a batch-32 step of 48-code windows spends device time: kernels by total time (eager, so kernels
+    keep their ops' names), and the solve's and vocoder's shares."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype, tf32 = (torch.float32, True) if name == "tf32" else (getattr(torch, name), False)
+    model.code2wav_dit_model.to(dtype)
+    decoder = models.Token2Wav(model, voices, device, window=48, tf32=tf32, use_graphs=False, max_batch=batch)
+    step_seconds(decoder, 48, batch, limit)  # warm-up
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        seconds = step_seconds(decoder, 48, batch, limit)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else
+                                      "self_cpu_time_total", row_limit=30)
+    print(f"== {name}: eager batch-{batch} step {1000 * seconds:.0f} ms\n{table}", flush=True)
+    solve = solve_seconds(decoder, 84, batch, limit)
+    mel = torch.zeros(batch, decoder.dit.mel_dim, 48 * decoder.dit.repeats + 2 * decoder.vocoder_context,
+                      device=device)
+    with torch.inference_mode():
+        decoder.vocode(mel)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        decoder.vocode(mel)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    record(part="token2wav_profile", dit_dtype=name, batch=batch, window=48, eager_step_ms=round(1000 * seconds, 1),
+           eager_solve_ms=round(1000 * solve, 1), eager_vocoder_ms=round(1000 * (time.perf_counter() - start), 1))
 
 
 def hf_sample_seconds(model, voices: dict, codes: int, batch: int, limit: int, tf32: bool) -> float:
