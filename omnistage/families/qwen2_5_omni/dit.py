@@ -85,7 +85,7 @@ class DiTSolver:
         fixed = self._fixed_inputs(codes, speaker, features, frames)
         cos, sin = self.dit.rotary_embed(noise, torch.arange(frames, device=noise.device)[None])
         rotary = cos.view(1, frames, 1, self.head_dim), sin.view(1, frames, 1, self.head_dim)
-        masks = self._masks(frames, noise.device, noise.dtype)
+        masks = self._masks(frames, noise.device)
         points = iter(range(len(self.steps) * 4))
 
         def velocity(state: torch.Tensor) -> torch.Tensor:
@@ -114,22 +114,20 @@ class DiTSolver:
                           speaker_rows[:, None].expand(-1, frames, -1)], dim=-1)
         return F.linear(rows, self.in_fixed, self.in_bias).flatten(0, 1)
 
-    def _masks(self, frames: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
-        block = torch.arange(frames, device=device) // self.block_size
-        diff = block[None, :] - block[:, None]
-        bias = {reach: torch.zeros(frames, frames, device=device, dtype=dtype).masked_fill(
-            (diff < -reach[0]) | (diff > reach[1]), float("-inf")) for reach in set(self.reach)}
-        return [bias[reach] for reach in self.reach]
+    def _masks(self, frames: int, device: torch.device) -> dict[tuple[int, int], torch.Tensor | None]:
+        """Per reach, which keys of each query block's window are real frames (see block_attention)."""
+        return {reach: block_window_mask(frames, self.block_size, *reach, device) for reach in set(self.reach)}
 
     def _forward(self, state: torch.Tensor, fixed: torch.Tensor, point: int,
-                 rotary: tuple[torch.Tensor, torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+                 rotary: tuple[torch.Tensor, torch.Tensor], masks: dict[tuple[int, int], torch.Tensor | None]
+                 ) -> torch.Tensor:
         """One DiT pass over [guided; unguided] copies of the state at evaluation point `point`."""
         batch, frames, _ = state.shape
         rows, width, heads, head_dim = 2 * batch * frames, self.width, self.heads, self.head_dim
         h = torch.addmm(fixed, torch.cat([state, state]).flatten(0, 1), self.in_state.t())
         cos, sin = rotary
-        for blk, (w_qkv, b_qkv), mod, mask in zip(self.dit.transformer_blocks, self.qkv, self.modulation, masks,
-                                                  strict=True):
+        for blk, (w_qkv, b_qkv), mod, reach in zip(self.dit.transformer_blocks, self.qkv, self.modulation, self.reach,
+                                                   strict=True):
             shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod[point]
             x = torch.addcmul(shift_a, F.layer_norm(h, (width,), eps=1e-6), scale_a)
             qkv = F.linear(x, w_qkv, b_qkv).view(2 * batch, frames, 3, heads, head_dim)
@@ -137,9 +135,8 @@ class DiTSolver:
             half = head_dim // 2
             turned = torch.cat([-rotated[..., half:], rotated[..., :half]], dim=-1)
             rotated.copy_(rotated * cos + turned * sin)
-            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            attn = F.linear(attn.transpose(1, 2).reshape(rows, width), blk.attn.to_out[0].weight,
+            attn = block_attention(*qkv.unbind(2), self.block_size, *reach, masks[reach])
+            attn = F.linear(attn.reshape(rows, width), blk.attn.to_out[0].weight,
                             blk.attn.to_out[0].bias)
             h = torch.addcmul(h, gate_a, attn)
             x = torch.addcmul(shift_f, F.layer_norm(h, (width,), eps=1e-6), scale_f)
@@ -149,3 +146,41 @@ class DiTSolver:
         scale, shift = self.final[point]
         x = torch.addcmul(shift, F.layer_norm(h, (width,), eps=1e-6), scale)
         return F.linear(x, self.dit.proj_out.weight, self.dit.proj_out.bias).view(2 * batch, frames, self.mel_dim)
+
+
+def block_window_mask(frames: int, block: int, back: int, ahead: int, device: torch.device) -> torch.Tensor | None:
+    """[blocks, 1, 1, window] bool: which keys of each query block's window (`back` blocks before it to `ahead`
+    after it, see block_attention) are real frames; None when all are."""
+    blocks = -(-frames // block)
+    if back == ahead == 0 and frames % block == 0:
+        return None
+    offsets = torch.arange((back + 1 + ahead) * block, device=device)
+    start = (torch.arange(blocks, device=device) - back) * block
+    position = start[:, None] + offsets[None, :]
+    return ((position >= 0) & (position < frames))[:, None, None, :]
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, back: int, ahead: int,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention where a query in block i sees the keys of blocks i-back .. i+ahead: [B, frames, heads, dim] in
+    and out. Each query block attends to its own window of keys only, instead of all frames through a mask:
+    the same sums (masked keys add zero) at a fraction of the work, and without a mask, flash kernels."""
+    batch, frames, heads, dim = q.shape
+    blocks = -(-frames // block)
+    pad = blocks * block - frames
+
+    def blocked(x: torch.Tensor, before: int = 0, after: int = 0) -> torch.Tensor:
+        """[B, frames, H, D] -> [B, blocks + before + after, block, H, D], zero-padded."""
+        return F.pad(x, (0, 0, 0, 0, before * block, pad + after * block)).view(batch, -1, block, heads, dim)
+
+    def windows(x: torch.Tensor) -> torch.Tensor:
+        """[B * blocks, H, window, D]: each query block's keys (or values), `back` blocks before to `ahead` after."""
+        x = blocked(x, back, ahead)
+        x = torch.cat([x[:, j : j + blocks] for j in range(back + 1 + ahead)], dim=2) if back or ahead else x
+        return x.flatten(0, 1).transpose(1, 2)
+
+    queries = blocked(q).flatten(0, 1).transpose(1, 2)
+    if mask is not None:
+        mask = mask.repeat(batch, 1, 1, 1)
+    out = F.scaled_dot_product_attention(queries, windows(k), windows(v), attn_mask=mask)
+    return out.transpose(1, 2).reshape(batch, blocks * block, heads, dim)[:, :frames]
