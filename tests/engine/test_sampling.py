@@ -121,3 +121,27 @@ def test_top_p_and_min_p_keep_the_right_tokens() -> None:
     ]:
         seen = {sampler(logits, [SampleRow(params, [], [], None, [])])[0][0] for _ in range(300)}
         assert seen == allowed, params
+
+
+@pytest.mark.parametrize("greedy_row", [False, True], ids=["sampled", "sampled_and_penalised_greedy"])
+def test_decoding_in_flight_samples_the_same_tokens(tiny_qwen2: str, greedy_row: bool) -> None:
+    """Steps kept in flight draw on the device (penalties from the device-side token history, filters, bans)
+    exactly what step-by-step sampling on the host draws from the same engine seed."""
+    sampled = SamplingParams(max_tokens=20, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.3,
+                             frequency_penalty=0.2, presence_penalty=0.1, bad_token_ids=[5, 6, 7], ignore_eos=True)
+    params = [sampled, sampled.with_overrides(temperature=0.0 if greedy_row else 1.2, top_k=0), sampled]
+    runs = {}
+    for overlap in (True, False):
+        deploy = {"stages": {"lm": {"max_model_len": 128, "overlap_decode": overlap}}}
+        with Omni(tiny_qwen2, deploy) as omni:
+            first = omni.generate(PROMPTS[:3], params)
+            second = omni.generate(PROMPTS[1:4], params)  # history slots reused by new requests
+            runs[overlap] = ([o.token_ids for o in first + second], omni.stats()["lm"])
+    (tokens, stats), (reference, plain_stats) = runs[True], runs[False]
+    assert stats["num_overlapped_steps"] > 30 and plain_stats["num_overlapped_steps"] == 0
+    assert tokens == reference
+    assert not {5, 6, 7} & {t for row in tokens for t in row}
+    with Omni(tiny_qwen2, {"stages": {"lm": {"max_model_len": 128}}}) as omni:
+        greedy = [o.token_ids for o in omni.generate(PROMPTS[:3], SamplingParams(max_tokens=20, temperature=0,
+                                                                                 ignore_eos=True))]
+    assert tokens[0] != greedy[0] and tokens[2] != greedy[2]  # it did sample

@@ -13,9 +13,10 @@ from omnistage.engine.ar.detokenizer import IncrementalDetokenizer
 from omnistage.engine.ar.memory import plan_num_blocks
 from omnistage.engine.ar.model import ARModel
 from omnistage.engine.ar.model_runner import DecodeLaunch, ModelRunner
-from omnistage.engine.ar.sampler import Sampler, SampleRow
+from omnistage.engine.ar.sampler import Sampler, SampleRow, SamplingColumns, TokenHistory
 from omnistage.engine.ar.scheduler import Scheduler
-from omnistage.engine.ar.sequence import Sequence
+from omnistage.engine.ar.sequence import SeqStatus, Sequence
+from omnistage.engine.transfer import to_device
 from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import ConfigError, RequestError
 from omnistage.sampling_params import SamplingParams
@@ -36,7 +37,7 @@ class AREngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    overlap_decode: bool = True  # keep a greedy decode step in flight while the host handles the last
+    overlap_decode: bool = True  # keep a decode step in flight while the host handles the last
     # Hidden states a request can ask for: output name -> layer (0 = embeddings, L = final).
     hidden_state_layers: dict[str, int] = field(default_factory=dict)
     default_params: SamplingParams = field(default_factory=SamplingParams)
@@ -81,8 +82,11 @@ class AREngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched, config.enable_chunked_prefill)
         self.sampler = Sampler(config.seed)
         self.seqs: dict[str, Sequence] = {}
-        self.in_flight: DecodeLaunch | None = None  # a greedy decode step whose tokens are unread
+        self.in_flight: DecodeLaunch | None = None  # a decode step whose tokens are unread
         self.num_overlapped_steps = 0
+        self.history: TokenHistory | None = None  # decoding sequences' tokens on the device, for penalties
+        self._free_history_slots = list(range(config.max_num_seqs))
+        self._columns: tuple[tuple, SamplingColumns, torch.Tensor] | None = None  # the last decode batch's
         self._arrivals = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -179,6 +183,8 @@ class AREngine:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
+            if seq.history_slot is not None:
+                self._free_history_slots.append(seq.history_slot)
 
     def has_work(self) -> bool:
         return self.in_flight is not None or self.scheduler.has_work()
@@ -244,25 +250,82 @@ class AREngine:
         if out.finished:
             self.abort(seq.request_id)
 
-    # ---- overlapped greedy decoding ---------------------------------------------------------
-    # While every scheduled sequence is a plain greedy decode and nobody waits to be admitted, the
-    # engine keeps one step in flight: it launches step N+1 (its input tokens are step N's outputs,
-    # passed on the device) before reading step N's tokens, so the host's bookkeeping overlaps the
-    # device's work. A sequence that turns out to have finished at step N wastes one token of N+1.
+    # ---- overlapped decoding -------------------------------------------------------------------
+    # While every scheduled sequence decodes one token that the device can choose alone (greedy, or sampled
+    # without logprobs or a per-request seed) and nobody waits to be admitted, the engine keeps one step in
+    # flight: it launches step N+1 (its input tokens are step N's outputs, passed on the device) before
+    # reading step N's tokens, so the host's bookkeeping overlaps the device's work. Penalties read the
+    # tokens from a device-side history that each step's draw is recorded into. A sequence that turns out
+    # to have finished at step N wastes one token of N+1.
 
     def _overlappable(self, seq: Sequence) -> bool:
+        params, pos = seq.params, seq.num_computed
         return (
             seq.input_final
-            and seq.params.plain_greedy
-            and seq.num_output_tokens >= seq.params.min_tokens
-            and seq.embed_adds is None
-            and seq.num_computed not in seq.embeds
+            and params.logprobs is None
+            and seq.generator is None
+            and seq.num_output_tokens >= params.min_tokens
+            and pos not in seq.embeds
             and not seq.return_hidden
+            # an added row (a talker's thinker states) for the position must have arrived
+            and (seq.embed_adds is None or seq.adds_final or pos - seq.num_prompt_tokens < len(seq.embed_adds))
         )
+
+    def _launch(self, seqs: list[Sequence], previous: DecodeLaunch | None = None) -> DecodeLaunch:
+        if all(s.params.plain_greedy for s in seqs):
+            return self.runner.launch_decode(seqs, previous)  # the argmax, computed in the graph
+        pending = {id(s) for s in previous.seqs} if previous is not None else set()
+
+        def sample(logits: torch.Tensor) -> torch.Tensor:
+            cols, slots = self._batch_columns(seqs, logits.shape[-1], logits.device, pending)
+            history = self.history.rows(slots) if cols.needs_history else None
+            tokens = self.sampler.on_device(logits, cols, history)
+            if cols.needs_history:
+                self.history.record(slots, tokens)
+                for seq in seqs:
+                    seq.history_len += 1
+            return tokens
+
+        return self.runner.launch_decode(seqs, previous, sample)
+
+    def _batch_columns(self, seqs: list[Sequence], vocab: int, device: torch.device, pending: set[int]
+                       ) -> tuple[SamplingColumns, torch.Tensor]:
+        """The batch's sampling columns and history slots, rebuilt only when its members change; a member's
+        history is (re)loaded from its token lists when it misses tokens (drawn on the host meanwhile)."""
+        if any(s.params.repetition_penalty != 1.0 or s.params.frequency_penalty or s.params.presence_penalty
+               for s in seqs):
+            if self.history is None:
+                self.history = TokenHistory(self.config.max_num_seqs, vocab, device)
+            for seq in seqs:
+                if seq.history_slot is None:
+                    seq.history_slot = self._take_history_slot()
+                    seq.history_len = -1
+                # a token still in flight was recorded by the step that drew it (this batch's sequences all
+                # decoded on the device path in that step); only tokens the host drew can be missing
+                if seq.history_len != seq.num_output_tokens + (id(seq) in pending):
+                    self.history.load(seq.history_slot, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids)
+                    seq.history_len = seq.num_output_tokens
+        key = tuple((s.arrival, s.history_slot) for s in seqs)
+        if self._columns is None or self._columns[0] != key:
+            cols = self.sampler.columns([self._sample_row(s) for s in seqs], vocab, device)
+            slots = to_device(torch.tensor([s.history_slot or 0 for s in seqs]), device)
+            self._columns = (key, cols, slots)
+        return self._columns[1], self._columns[2]
+
+    def _take_history_slot(self) -> int:
+        """A free history slot; running sequences never outnumber the slots, so one held by a sequence that
+        is not running (preempted) can be taken back."""
+        if not self._free_history_slots:
+            for seq in self.seqs.values():
+                if seq.history_slot is not None and seq.status is not SeqStatus.RUNNING:
+                    self._free_history_slots.append(seq.history_slot)
+                    seq.history_slot = None
+                    break
+        return self._free_history_slots.pop()
 
     def _start_decode(self, seqs: list[Sequence]) -> list[StageOutput]:
         try:
-            self.in_flight = self.runner.launch_decode(seqs)
+            self.in_flight = self._launch(seqs)
         except Exception as exc:
             logger.exception("stage %s: step failed", self.name)
             return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq in seqs]
@@ -282,7 +345,7 @@ class AREngine:
                     following.append(seq)
         try:
             if following:
-                self.in_flight = self.runner.launch_decode(following, previous=current)
+                self.in_flight = self._launch(following, previous=current)
                 self.num_overlapped_steps += 1
             tokens = self.runner.read_tokens(current)
         except Exception as exc:

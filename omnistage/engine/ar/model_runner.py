@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,11 +36,11 @@ class StepResult:
 
 @dataclass
 class DecodeLaunch:
-    """A greedy decode step handed to the device whose tokens the host has not read yet."""
+    """A decode step handed to the device whose tokens the host has not read yet."""
 
     seqs: list[Sequence]
-    argmax: torch.Tensor  # [n] chosen ids, on the device
-    host_tokens: torch.Tensor | None = None  # pinned copy of `argmax`, filled asynchronously (CUDA)
+    tokens: torch.Tensor  # [n] chosen ids, on the device
+    host_tokens: torch.Tensor | None = None  # pinned copy of `tokens`, filled asynchronously (CUDA)
     done: torch.cuda.Event | None = None
 
 
@@ -239,24 +240,28 @@ class ModelRunner:
         return multi
 
     @torch.inference_mode()
-    def launch_decode(self, seqs: list[Sequence], previous: DecodeLaunch | None = None) -> DecodeLaunch:
-        """Greedy-decode one token for each sequence (at position `num_computed`) without waiting for
-        the device. A sequence whose input token is still `previous`'s output takes it on the device."""
+    def launch_decode(self, seqs: list[Sequence], previous: DecodeLaunch | None = None,
+                      sample: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DecodeLaunch:
+        """Decode one token for each sequence (at position `num_computed`) without waiting for the device:
+        the argmax, or `sample(logits)` (ids left on the device). A sequence whose input token is still
+        `previous`'s output takes it on the device."""
         p = self._pack([(s, 1) for s in seqs])
         where = {id(s): i for i, s in enumerate(previous.seqs)} if previous else {}
         pending = [(i, where[id(s)]) for i, s in enumerate(seqs) if s.num_computed >= s.num_tokens]
         if self._graph_fits(p, len(seqs)):
-            _, argmax, _ = self._replay(p, previous, pending)
+            logits, argmax, _ = self._replay(p, previous, pending)
         else:
             ids = self._tensor(p.ids)
             self._take_previous(ids, previous, pending)
             hidden, _ = self.model.forward(ids, self._rope(p), self._metadata(p), self._input_embeds(p, ids))
-            argmax = self.model.compute_logits(hidden).argmax(dim=-1)
-        launch = DecodeLaunch(seqs, argmax)
+            logits = self.model.compute_logits(hidden)
+            argmax = logits.argmax(dim=-1) if sample is None else None
+        tokens = argmax if sample is None else sample(logits)
+        launch = DecodeLaunch(seqs, tokens)
         if self.device.type == "cuda":
             self._token_slot ^= 1
             launch.host_tokens = self._host_tokens[self._token_slot]
-            launch.host_tokens[: len(seqs)].copy_(argmax, non_blocking=True)
+            launch.host_tokens[: len(seqs)].copy_(tokens, non_blocking=True)
             launch.done = torch.cuda.Event()
             launch.done.record()
         return launch
@@ -265,7 +270,7 @@ class ModelRunner:
     def read_tokens(launch: DecodeLaunch) -> list[int]:
         """Wait for that one step (not for any launched after it) and return its tokens."""
         if launch.done is None:
-            return launch.argmax.tolist()
+            return launch.tokens.tolist()
         launch.done.synchronize()
         return launch.host_tokens[: len(launch.seqs)].tolist()
 
@@ -275,9 +280,9 @@ class ModelRunner:
             return
         rows, sources = (list(x) for x in zip(*pending, strict=True))
         if rows == sources == list(range(len(rows))):
-            ids[: len(rows)].copy_(previous.argmax[: len(rows)])
+            ids[: len(rows)].copy_(previous.tokens[: len(rows)])
         else:
-            ids.index_copy_(0, self._tensor(rows), previous.argmax.index_select(0, self._tensor(sources)))
+            ids.index_copy_(0, self._tensor(rows), previous.tokens.index_select(0, self._tensor(sources)))
 
     # ---- CUDA graphs for decode steps ------------------------------------------------------
 

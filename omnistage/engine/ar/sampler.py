@@ -51,49 +51,148 @@ def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> to
     return counts.scatter_add_(1, ids, valid.float())
 
 
-def apply_penalties(
-    logits: torch.Tensor, rows: list[SampleRow], ban_mask: Callable[[tuple[int, ...]], torch.Tensor] | None = None
-) -> torch.Tensor:
-    """Repetition / frequency / presence penalties, then banned ids to -inf. `ban_mask` maps a row's banned
-    ids to its [vocab] bool mask (a cache: the same few sets come back every step)."""
-    device, vocab = logits.device, logits.shape[-1]
+@dataclass
+class SamplingColumns:
+    """A batch's sampling parameters as [rows, 1] device columns (None: no row uses that feature), built
+    once per batch; a decode batch that keeps its members reuses them step after step."""
 
-    if any(r.params.repetition_penalty != 1.0 for r in rows):
-        seen = _token_counts([r.prompt_ids + r.output_ids for r in rows], vocab, device) > 0
-        penalty = _column([r.params.repetition_penalty for r in rows], device).expand_as(logits)
-        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    temperature: torch.Tensor  # greedy rows ride along at 1 (their draw is discarded)
+    greedy: torch.Tensor | None  # [rows] bool; None when no row is greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    repetition: torch.Tensor | None
+    frequency: torch.Tensor | None
+    presence: torch.Tensor | None
+    ban: torch.Tensor | None  # [rows, vocab] bool
+
+    @classmethod
+    def build(cls, rows: list[SampleRow], vocab: int, device: torch.device,
+              ban_mask: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> SamplingColumns:
+        params = [r.params for r in rows]
+
+        def column(values: list[float], used: bool = True) -> torch.Tensor | None:
+            return _column(values, device) if used else None
+
+        greedy = [p.greedy for p in params]
+        filters = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+        ban = None
+        if any(r.banned_ids for r in rows):
+            if ban_mask is not None:
+                ban = torch.stack([ban_mask(tuple(r.banned_ids)) for r in rows])
+            else:
+                ids, valid = _padded([list(r.banned_ids) for r in rows], device)
+                ban = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device).scatter_(1, ids, valid)
+        return cls(
+            temperature=_column([1.0 if p.greedy else p.temperature for p in params], device),
+            greedy=to_device(torch.tensor(greedy), device) if any(greedy) else None,
+            all_greedy=all(greedy),
+            top_k=column([p.top_k if p.top_k > 0 else vocab for p in params], filters),
+            top_p=column([p.top_p for p in params], filters),
+            min_p=column([p.min_p for p in params], filters),
+            repetition=column([p.repetition_penalty for p in params],
+                              any(p.repetition_penalty != 1.0 for p in params)),
+            frequency=column([p.frequency_penalty for p in params], any(p.frequency_penalty for p in params)),
+            presence=column([p.presence_penalty for p in params], any(p.presence_penalty for p in params)),
+            ban=ban,
+        )
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether penalties need the rows' earlier tokens."""
+        return self.repetition is not None or self.frequency is not None or self.presence is not None
+
+
+def penalize(logits: torch.Tensor, cols: SamplingColumns, seen: torch.Tensor | None, counts: torch.Tensor | None
+             ) -> torch.Tensor:
+    """Repetition (over prompt and output: `seen`, [rows, vocab] bool), frequency and presence penalties (over
+    the output: `counts`, [rows, vocab] float), then banned ids to -inf."""
+    if cols.repetition is not None:
+        scaled = torch.where(logits > 0, logits / cols.repetition, logits * cols.repetition)
         logits = torch.where(seen, scaled, logits)
-    if any(r.params.frequency_penalty or r.params.presence_penalty for r in rows):
-        counts = _token_counts([r.output_ids for r in rows], vocab, device)
-        logits = logits - _column([r.params.frequency_penalty for r in rows], device) * counts
-        logits = logits - _column([r.params.presence_penalty for r in rows], device) * (counts > 0).float()
-    if any(r.banned_ids for r in rows):
-        if ban_mask is not None:
-            ban = torch.stack([ban_mask(tuple(r.banned_ids)) for r in rows])
-        else:
-            ids, valid = _padded([list(r.banned_ids) for r in rows], device)
-            ban = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, valid)
-        logits = logits.masked_fill(ban, float("-inf"))
+    if cols.frequency is not None:
+        logits = logits - cols.frequency * counts
+    if cols.presence is not None:
+        logits = logits - cols.presence * (counts > 0).float()
+    if cols.ban is not None:
+        logits = logits.masked_fill(cols.ban, float("-inf"))
     return logits
 
 
-def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def choose(logits: torch.Tensor, cols: SamplingColumns, noise: Callable[[torch.Tensor], torch.Tensor]
+           ) -> torch.Tensor:
+    """Penalised logits -> token ids on the device: greedy rows their argmax, the others an exponential-race
+    draw (`noise(probs)`: Exp(1) noise shaped like probs) from the filtered distribution."""
+    greedy_ids = logits.argmax(dim=-1)
+    if cols.all_greedy:
+        return greedy_ids
+    probs = _filter(logits, cols).softmax(dim=-1)
+    sampled = (probs / noise(probs)).argmax(dim=-1)
+    return sampled if cols.greedy is None else torch.where(cols.greedy, greedy_ids, sampled)
+
+
+def apply_penalties(
+    logits: torch.Tensor, rows: list[SampleRow], ban_mask: Callable[[tuple[int, ...]], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Penalties and bans from the rows' own token lists. `ban_mask` maps a row's banned ids to its [vocab]
+    bool mask (a cache: the same few sets come back every step)."""
+    cols = SamplingColumns.build(rows, logits.shape[-1], logits.device, ban_mask)
+    return penalize(logits, cols, *history_from_lists(rows, cols, logits.shape[-1], logits.device))
+
+
+def history_from_lists(rows: list[SampleRow], cols: SamplingColumns, vocab: int, device: torch.device
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(seen, counts) built from the rows' prompt and output lists, as far as the penalties need them."""
+    seen = counts = None
+    if cols.repetition is not None:
+        seen = _token_counts([r.prompt_ids + r.output_ids for r in rows], vocab, device) > 0
+    if cols.frequency is not None or cols.presence is not None:
+        counts = _token_counts([r.output_ids for r in rows], vocab, device)
+    return seen, counts
+
+
+def _filter(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, applied on one descending sort."""
-    device = logits.device
-    logits = logits / _column([r.params.temperature for r in rows], device)
-    if all(r.params.top_k <= 0 and r.params.top_p >= 1.0 and r.params.min_p <= 0.0 for r in rows):
+    logits = logits / cols.temperature
+    if cols.top_k is None:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=device)[None, :]
-    top_k = _column([r.params.top_k if r.params.top_k > 0 else logits.shape[-1] for r in rows], device)
-    drop = rank >= top_k
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = rank >= cols.top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= _column([r.params.top_p for r in rows], device)
-    drop |= probs < _column([r.params.min_p for r in rows], device) * probs[:, :1]
+    drop |= mass_before >= cols.top_p
+    drop |= probs < cols.min_p * probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class TokenHistory:
+    """Each decoding sequence's earlier tokens as device rows, for penalties without host lists: `seen`
+    (prompt and output ids, for the repetition penalty) and `counts` (output ids, for frequency and
+    presence). A sequence holds a slot while it decodes on the device path; the sampled tokens are
+    recorded on the device as they are drawn, so a step launched before the host read the last one still
+    sees it."""
+
+    def __init__(self, num_slots: int, vocab: int, device: torch.device):
+        self.seen = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(num_slots, vocab, dtype=torch.float32, device=device)
+        self.free = list(range(num_slots))
+
+    def load(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        device, vocab = self.seen.device, self.seen.shape[1]
+        self.seen[slot] = _token_counts([prompt_ids + output_ids], vocab, device)[0] > 0
+        self.counts[slot] = _token_counts([output_ids], vocab, device)[0]
+
+    def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.seen.index_select(0, slots), self.counts.index_select(0, slots)
+
+    def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.seen[slots, token_ids] = True
+        self.counts.index_put_((slots, token_ids), torch.ones_like(token_ids, dtype=self.counts.dtype),
+                               accumulate=True)
 
 
 class Sampler:
@@ -124,21 +223,23 @@ class Sampler:
             return argmax.tolist(), [None] * len(rows)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
-        logits = apply_penalties(logits, rows, lambda banned: self._ban_mask(banned, logits.shape[-1], logits.device))
-        greedy_ids = logits.argmax(dim=-1)
-        if all(r.params.greedy for r in rows):
-            chosen = greedy_ids
-        else:
-            temps_safe = [r if not r.params.greedy else _as_unit_temperature(r) for r in rows]
-            probs = _filter(logits, temps_safe).softmax(dim=-1)
-            noise = self._exponential_noise(probs, rows)
-            sampled = (probs / noise).argmax(dim=-1)
-            is_greedy = to_device(torch.tensor([r.params.greedy for r in rows]), logits.device)
-            chosen = torch.where(is_greedy, greedy_ids, sampled)
-        token_ids = chosen.tolist()
+        cols = self.columns(rows, logits.shape[-1], logits.device)
+        logits = penalize(logits, cols, *history_from_lists(rows, cols, logits.shape[-1], logits.device))
+        token_ids = choose(logits, cols, lambda probs: self._exponential_noise(probs, rows)).tolist()
         return token_ids, self._logprobs(raw_logprobs, token_ids, rows)
 
-    def _exponential_noise(self, probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def columns(self, rows: list[SampleRow], vocab: int, device: torch.device) -> SamplingColumns:
+        return SamplingColumns.build(rows, vocab, device, lambda banned: self._ban_mask(banned, vocab, device))
+
+    def on_device(self, logits: torch.Tensor, cols: SamplingColumns, history: tuple[torch.Tensor, torch.Tensor]
+                  | None) -> torch.Tensor:
+        """Token ids for a batch of rows without per-request generators, left on the device (no host sync):
+        what an overlapped decode step feeds to the next one. The same arithmetic as `__call__`."""
+        seen, counts = history if history is not None else (None, None)
+        logits = penalize(logits.float(), cols, seen, counts)
+        return choose(logits, cols, lambda probs: self._exponential_noise(probs, ()))
+
+    def _exponential_noise(self, probs: torch.Tensor, rows: list[SampleRow] | tuple) -> torch.Tensor:
         if self.generator is None or self.generator.device != probs.device:
             self.generator = torch.Generator(device=probs.device).manual_seed(self.seed)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -165,8 +266,3 @@ class Sampler:
                 top=list(zip(top_ids.tolist(), top_values.tolist(), strict=True)),
             )
         return out
-
-
-def _as_unit_temperature(row: SampleRow) -> SampleRow:
-    """Greedy rows ride through the sampling math with temperature 1 (their draw is discarded)."""
-    return SampleRow(row.params.with_overrides(temperature=1.0), [], [], None, ())

@@ -49,6 +49,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     hidden_sent: int = 0  # positions whose hidden states were already output
     banned: tuple[bool, tuple[int, ...]] | None = None  # (before min_tokens?, ids the sampler may not pick)
+    history_slot: int | None = None  # its row in the engine's device-side token history (penalties)
+    history_len: int = 0  # output tokens recorded there
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

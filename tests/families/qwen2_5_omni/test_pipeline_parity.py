@@ -94,6 +94,8 @@ def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference, a
     torch.testing.assert_close(torch.from_numpy(spoken.audio), wav.float(), rtol=1e-4, atol=1e-4)
     assert text_only.audio is None and text_only.error is None
     assert stats["talker"]["kv_blocks_used"] == 0 and stats["talker"]["num_running"] == 0
+    # the talker's decode steps ran in flight: penalties from the device-side history, thinker rows added
+    assert stats["talker"]["num_overlapped_steps"] > TALKER_CODES // 2
 
 
 def test_image_and_audio_input_equal_transformers(tiny_qwen2_5_omni: str) -> None:
