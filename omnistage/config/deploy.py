@@ -38,7 +38,7 @@ class StageConfig(_Strict):
     block_size: int = Field(16, ge=1)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    overlap_decode: bool = Field(True, description="Keep a decode step in flight while the host reads the last (greedy or sampled on the device)")
+    overlap_decode: bool = Field(True, description="Keep a decode step in flight while the host reads the last")
     enforce_eager: bool = False
     stream_priority: Literal["high", "normal"] | None = Field(
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "

@@ -38,6 +38,7 @@ from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 from omnistage.families.qwen2_5_omni.dit import DiTSolver
+from omnistage.families.qwen2_5_omni.vocoder import fuse_activations
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,8 @@ class Token2Wav:
             self.speakers = {name: (v["cond"].to(device, self.dit_dtype),
                                     self.solver.speaker_features(v["ref_mel"].to(device, self.dit_dtype)))
                              for name, v in voices.items()}
+        if device.type == "cuda":
+            fuse_activations(model.code2wav_bigvgan_model)  # one kernel per anti-aliased activation
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared: graphs replay one at a time
         self.solve = BatchGraphs(self.solver.solve, max_batch, key_input=1, pool=pool,
