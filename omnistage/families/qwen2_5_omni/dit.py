@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.kernels.block_attention import block_attention, block_window_mask
+
 
 def _deinterleaved(dim: int) -> torch.Tensor:
     """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): the layout transformers rotates head 0 in."""
@@ -115,7 +117,8 @@ class DiTSolver:
         return F.linear(rows, self.in_fixed, self.in_bias).flatten(0, 1)
 
     def _masks(self, frames: int, device: torch.device) -> dict[tuple[int, int], torch.Tensor | None]:
-        """Per reach, which keys of each query block's window are real frames (see block_attention)."""
+        """Per reach, which keys of each query block's window are real frames (for the torch path of
+        block_attention)."""
         return {reach: block_window_mask(frames, self.block_size, *reach, device) for reach in set(self.reach)}
 
     def _forward(self, state: torch.Tensor, fixed: torch.Tensor, point: int,
@@ -135,7 +138,7 @@ class DiTSolver:
             half = head_dim // 2
             turned = torch.cat([-rotated[..., half:], rotated[..., :half]], dim=-1)
             rotated.copy_(rotated * cos + turned * sin)
-            attn = block_attention(*qkv.unbind(2), self.block_size, *reach, masks[reach])
+            attn = block_attention(qkv, self.block_size, *reach, masks[reach])
             attn = F.linear(attn.reshape(rows, width), blk.attn.to_out[0].weight,
                             blk.attn.to_out[0].bias)
             h = torch.addcmul(h, gate_a, attn)
@@ -147,40 +150,3 @@ class DiTSolver:
         x = torch.addcmul(shift, F.layer_norm(h, (width,), eps=1e-6), scale)
         return F.linear(x, self.dit.proj_out.weight, self.dit.proj_out.bias).view(2 * batch, frames, self.mel_dim)
 
-
-def block_window_mask(frames: int, block: int, back: int, ahead: int, device: torch.device) -> torch.Tensor | None:
-    """[blocks, 1, 1, window] bool: which keys of each query block's window (`back` blocks before it to `ahead`
-    after it, see block_attention) are real frames; None when all are."""
-    blocks = -(-frames // block)
-    if back == ahead == 0 and frames % block == 0:
-        return None
-    offsets = torch.arange((back + 1 + ahead) * block, device=device)
-    start = (torch.arange(blocks, device=device) - back) * block
-    position = start[:, None] + offsets[None, :]
-    return ((position >= 0) & (position < frames))[:, None, None, :]
-
-
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, back: int, ahead: int,
-                    mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention where a query in block i sees the keys of blocks i-back .. i+ahead: [B, frames, heads, dim] in
-    and out. Each query block attends to its own window of keys only, instead of all frames through a mask:
-    the same sums (masked keys add zero) at a fraction of the work, and without a mask, flash kernels."""
-    batch, frames, heads, dim = q.shape
-    blocks = -(-frames // block)
-    pad = blocks * block - frames
-
-    def blocked(x: torch.Tensor, before: int = 0, after: int = 0) -> torch.Tensor:
-        """[B, frames, H, D] -> [B, blocks + before + after, block, H, D], zero-padded."""
-        return F.pad(x, (0, 0, 0, 0, before * block, pad + after * block)).view(batch, -1, block, heads, dim)
-
-    def windows(x: torch.Tensor) -> torch.Tensor:
-        """[B * blocks, H, window, D]: each query block's keys (or values), `back` blocks before to `ahead` after."""
-        x = blocked(x, back, ahead)
-        x = torch.cat([x[:, j : j + blocks] for j in range(back + 1 + ahead)], dim=2) if back or ahead else x
-        return x.flatten(0, 1).transpose(1, 2)
-
-    queries = blocked(q).flatten(0, 1).transpose(1, 2)
-    if mask is not None:
-        mask = mask.repeat(batch, 1, 1, 1)
-    out = F.scaled_dot_product_attention(queries, windows(k), windows(v), attn_mask=mask)
-    return out.transpose(1, 2).reshape(batch, blocks * block, heads, dim)[:, :frames]

@@ -3,9 +3,9 @@
 transformers runs each of the vocoder's activations (18 per upsampling stage) as five passes over the signal:
 replicate pad, a 2x upsampling grouped transposed convolution (12 taps), SnakeBeta, replicate pad, a 2x
 downsampling depthwise convolution (12 taps); at a batch of streamed windows those passes take about three
-quarters of the vocoder's time. Here one Triton kernel reads each input sample and writes each output sample
-once: every output is the 12-tap low-pass of SnakeBeta over 12 upsampled samples, each a 6-tap polyphase sum
-of the input, with both pads as clamped indices. Same arithmetic up to float summation order.
+quarters of the vocoder's time. Here two Triton kernels do it: one computes each upsampled sample as a 6-tap
+polyphase sum of the input and applies SnakeBeta, the other takes the 12-tap low-pass of every second one;
+both pads are clamped indices. Same arithmetic up to float summation order.
 """
 
 from __future__ import annotations
@@ -24,28 +24,41 @@ TAPS = 12  # the released vocoder's filters (up and down), ratio 2
 if triton is not None:
 
     @triton.jit
-    def _anti_aliased_snake_kernel(X, Y, ALPHA, INV_BETA, UP, DOWN, channels, length, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # one (batch, channel) row
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = t < length
+    def _upsample_snake_kernel(X, S, ALPHA, INV_BETA, UP, channels, length, BLOCK: tl.constexpr):
+        """Per input sample p of one (batch, channel) row: the upsampled samples 2p and 2p+1 (6-tap polyphase
+        sums; the upsampler's replicate padding as clamped indices), through SnakeBeta."""
+        row = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = p < length
         channel = row % channels
+        x = X + row * length
+        even = tl.zeros([BLOCK], dtype=tl.float32)
+        odd = tl.zeros([BLOCK], dtype=tl.float32)
+        for d in tl.static_range(7):  # inputs p-3 .. p+3: even samples take p-3..p+2, odd ones p-2..p+3
+            value = tl.load(x + tl.minimum(tl.maximum(p + d - 3, 0), length - 1), mask=ok, other=0.0)
+            if d < 6:
+                even += value * tl.load(UP + 11 - 2 * d)
+            if d > 0:
+                odd += value * tl.load(UP + 12 - 2 * d)
         alpha = tl.load(ALPHA + channel)
         inv_beta = tl.load(INV_BETA + channel)
-        x = X + row * length
+        wave_even = tl.sin(even * alpha)
+        wave_odd = tl.sin(odd * alpha)
+        s = S + row * 2 * length + 2 * p
+        tl.store(s, even + inv_beta * wave_even * wave_even, mask=ok)
+        tl.store(s + 1, odd + inv_beta * wave_odd * wave_odd, mask=ok)
+
+    @triton.jit
+    def _downsample_kernel(S, Y, DOWN, length, BLOCK: tl.constexpr):
+        """Output t: the 12-tap low-pass at upsampled samples 2t-5 .. 2t+6 (replicate padding: clamped)."""
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = t < length
+        s = S + row * 2 * length
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for m in tl.static_range(12):
-            # upsampled sample n (the downsampler's replicate padding: n clamped to the signal)
             n = tl.minimum(tl.maximum(2 * t - 5 + m, 0), 2 * length - 1)
-            odd = n % 2
-            base = n // 2 - 3 + odd
-            u = tl.zeros([BLOCK], dtype=tl.float32)
-            for k in tl.static_range(6):
-                # the upsampler's replicate padding: input index clamped; even samples take the odd taps
-                value = tl.load(x + tl.minimum(tl.maximum(base + k, 0), length - 1), mask=ok, other=0.0)
-                tap = tl.where(odd == 1, tl.load(UP + 10 - 2 * k), tl.load(UP + 11 - 2 * k))
-                u += value * tap
-            wave = tl.sin(u * alpha)
-            acc += tl.load(DOWN + m) * (u + inv_beta * wave * wave)
+            acc += tl.load(DOWN + m) * tl.load(s + n, mask=ok, other=0.0)
         tl.store(Y + row * length + t, acc, mask=ok)
 
 
@@ -78,14 +91,16 @@ class FusedAntiAliasedSnake(nn.Module):
 
 
 def anti_aliased_snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor, up: torch.Tensor,
-                       down: torch.Tensor, block: int = 256) -> torch.Tensor:
+                       down: torch.Tensor, block: int = 512) -> torch.Tensor:
     """x [B, C, T] -> [B, C, T]: 2x upsample (`up`, gain included), SnakeBeta (per channel exp(alpha) and
     1 / (exp(beta) + eps)), low-pass 2x downsample (`down`)."""
     x = x.contiguous()
     batch, channels, length = x.shape
+    upsampled = torch.empty(batch, channels, 2 * length, device=x.device, dtype=x.dtype)
     out = torch.empty_like(x)
     grid = (batch * channels, triton.cdiv(length, block))
-    _anti_aliased_snake_kernel[grid](x, out, alpha, inv_beta, up, down, channels, length, BLOCK=block)
+    _upsample_snake_kernel[grid](x, upsampled, alpha, inv_beta, up, channels, length, BLOCK=block)
+    _downsample_kernel[grid](upsampled, out, down, length, BLOCK=block)
     return out
 
 

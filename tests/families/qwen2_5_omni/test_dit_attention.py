@@ -1,4 +1,5 @@
-"""token2wav's block attention: each query block attends only to its window of key blocks."""
+"""token2wav's block attention: each query block attends only to its window of key blocks. The Triton kernel
+runs in Triton's interpreter on a machine without a GPU (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,30 +7,46 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.families.qwen2_5_omni.dit import block_attention, block_window_mask
+from omnistage.kernels import block_attention as kernels
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def dense_reference(q, k, v, block, back, ahead):
     """What transformers computes: every frame against every frame, blocks out of reach masked to -inf."""
     frames = q.shape[1]
-    index = torch.arange(frames) // block
+    index = torch.arange(frames, device=q.device) // block
     diff = index[None, :] - index[:, None]
-    bias = torch.zeros(frames, frames, dtype=q.dtype).masked_fill((diff < -back) | (diff > ahead), float("-inf"))
+    bias = torch.zeros(frames, frames, dtype=q.dtype, device=q.device).masked_fill(
+        (diff < -back) | (diff > ahead), float("-inf"))
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
     return out.transpose(1, 2)
 
 
 @pytest.mark.parametrize("frames", [48, 50, 7, 168])
 @pytest.mark.parametrize("reach", [(0, 0), (1, 0), (0, 1), (2, 1)])
-def test_block_attention_equals_masked_dense_attention(frames: int, reach: tuple[int, int]) -> None:
+def test_windowed_sdpa_equals_masked_dense_attention(frames: int, reach: tuple[int, int]) -> None:
     torch.manual_seed(frames)
     q, k, v = (torch.randn(3, frames, 2, 8, dtype=torch.float64) for _ in range(3))
-    mask = block_window_mask(frames, 24, *reach, q.device)
-    got = block_attention(q, k, v, 24, *reach, mask)
+    mask = kernels.block_window_mask(frames, 24, *reach, q.device)
+    got = kernels.block_attention_sdpa(q, k, v, 24, *reach, mask)
     assert got.shape == q.shape
     torch.testing.assert_close(got, dense_reference(q, k, v, 24, *reach), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("frames", [48, 50, 7])
+@pytest.mark.parametrize("reach", [(0, 0), (1, 0), (0, 1), (2, 1)])
+def test_triton_kernel_equals_masked_dense_attention(monkeypatch, frames: int, reach: tuple[int, int]) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setattr(kernels, "fused_available", lambda qkv: True)
+    torch.manual_seed(frames)
+    qkv = torch.randn(2, frames, 3, 2, 16, device=DEVICE)  # the fused projection's layout, read in place
+    got = kernels.block_attention(qkv, 24, *reach)
+    expected = dense_reference(*qkv.unbind(2), 24, *reach)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_whole_blocks_within_reach_need_no_mask() -> None:
-    assert block_window_mask(48, 24, 0, 0, torch.device("cpu")) is None
-    assert block_window_mask(50, 24, 0, 0, torch.device("cpu")) is not None  # the last block is partial
+    assert kernels.block_window_mask(48, 24, 0, 0, torch.device("cpu")) is None
+    assert kernels.block_window_mask(50, 24, 0, 0, torch.device("cpu")) is not None  # the last block is partial

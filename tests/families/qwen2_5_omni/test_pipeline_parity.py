@@ -7,6 +7,8 @@
   an attention mask, which skips the codec pad/bos additions and M-RoPE positions its own code
   intends; its codes match ours until the reply runs out and then drift. We follow the intent.)
 - token2wav: the same waveform as transformers' token2wav on those codes with the same seed.
+
+Every deploy here pins float32, as the references run: on a GPU, `auto` would pick bfloat16.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
 pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchvision (installed by scripts/test)")
 
 THINKER_TOKENS, TALKER_CODES, VOICE = 8, 24, "Ethan"
+FP32 = {"dtype": "float32"}
 MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "Say something nice about rivers."}]}]
 
 
@@ -83,7 +86,8 @@ def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference, a
         "thinker": SamplingParams(max_tokens=THINKER_TOKENS, temperature=0, ignore_eos=True),
         "talker": SamplingParams(max_tokens=TALKER_CODES, temperature=0, repetition_penalty=1.05, ignore_eos=True),
     }
-    with Omni(tiny_qwen2_5_omni, {"async_chunk": async_chunk, "stages": {"*": {"max_model_len": 512}}}) as omni:
+    deploy = {"async_chunk": async_chunk, "stages": {"*": {"max_model_len": 512, **FP32}}}
+    with Omni(tiny_qwen2_5_omni, deploy) as omni:
         (spoken,) = omni.generate([MESSAGES], params, ("text", "audio"), voice=VOICE)
         (text_only,) = omni.generate([MESSAGES], params["thinker"])
         stats = omni.stats()
@@ -118,7 +122,7 @@ def test_image_and_audio_input_equal_transformers(tiny_qwen2_5_omni: str) -> Non
     expected = out[0, inputs["input_ids"].shape[1]:].tolist()
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "audio", "audio": audio},
                                              question]}]
-    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512}}}) as omni:
+    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512, **FP32}}}) as omni:
         (got,) = omni.generate([messages], SamplingParams(max_tokens=THINKER_TOKENS, temperature=0, ignore_eos=True))
     assert got.error is None, got.error
     assert got.num_prompt_tokens == inputs["input_ids"].shape[1]
@@ -135,7 +139,7 @@ def test_parallel_requests_keep_their_own_audio(tiny_qwen2_5_omni: str) -> None:
                 "talker": SamplingParams(max_tokens=codes, temperature=0, repetition_penalty=1.05, ignore_eos=True)}
 
     prompts = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(len(cases))]
-    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512}}}) as omni:
+    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512, **FP32}}}) as omni:
         solo = [omni.generate([p], params(t, c), ("text", "audio"), voice=v)[0]
                 for p, (v, t, c) in zip(prompts, cases, strict=True)]
         together = [None] * len(cases)
@@ -168,11 +172,11 @@ def test_windowed_token2wav_streams_audio_close_to_one_shot(tiny_qwen2_5_omni: s
     messages = [{"role": "user", "content": "Tell me a long story."}]
     params = {"thinker": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=48, temperature=0, repetition_penalty=1.05, ignore_eos=True)}
-    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512}}}) as omni:
+    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512, **FP32}}}) as omni:
         (whole,) = omni.generate([messages], params, ("text", "audio"), voice=VOICE)
     windows = {"window": 8, "left": 8, "right": 4, "vocoder_context": 8}
-    engine = AsyncOmni(tiny_qwen2_5_omni, {"async_chunk": True, "stages": {"*": {"max_model_len": 512},
-                                                                            "token2wav": {"options": windows}}})
+    engine = AsyncOmni(tiny_qwen2_5_omni, {"async_chunk": True, "stages": {
+        "*": {"max_model_len": 512, **FP32}, "token2wav": {"options": windows}}})
 
     async def stream() -> list[torch.Tensor]:
         request = OmniRequest(request_id="s", messages=messages, stage_params=params,
@@ -201,7 +205,7 @@ def test_abort_reaches_all_three_stages(tiny_qwen2_5_omni: str) -> None:
     long = {"thinker": SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
             "talker": SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)}
     engine = AsyncOmni(tiny_qwen2_5_omni, {"async_chunk": True, "stages": {
-        "*": {"max_model_len": 1024}, "token2wav": {"options": {"window": 8, "left": 8, "right": 4}}}})
+        "*": {"max_model_len": 1024, **FP32}, "token2wav": {"options": {"window": 8, "left": 8, "right": 4}}}})
 
     async def leave_early() -> None:
         request = OmniRequest(request_id="gone", messages=MESSAGES, stage_params=long,
@@ -240,7 +244,8 @@ def test_stages_in_their_own_processes_give_the_same_speech(tiny_qwen2_5_omni: s
               "talker": SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)}
     outs = []
     for backend, async_chunk in (("inline", False), ("process", True)):
-        deploy = {"worker_backend": backend, "async_chunk": async_chunk, "stages": {"*": {"max_model_len": 512}}}
+        deploy = {"worker_backend": backend, "async_chunk": async_chunk,
+                  "stages": {"*": {"max_model_len": 512, **FP32}}}
         with Omni(tiny_qwen2_5_omni, deploy) as omni:
             outs.append(omni.generate([MESSAGES], params, ("text", "audio"), voice="Chelsie")[0])
     inline, process = outs
@@ -300,7 +305,7 @@ def test_video_with_its_audio_track_equals_transformers(tiny_qwen2_5_omni: str) 
         out = model.thinker.generate(**inputs, use_audio_in_video=True, max_new_tokens=THINKER_TOKENS,
                                      min_new_tokens=THINKER_TOKENS, do_sample=False)
     expected = out[0, inputs["input_ids"].shape[1]:].tolist()
-    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 1024}}}) as omni:
+    with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 1024, **FP32}}}) as omni:
         (got,) = omni.generate([[{"role": "user", "content": [part, question]}]],
                                SamplingParams(max_tokens=THINKER_TOKENS, temperature=0, ignore_eos=True),
                                use_audio_in_video=True)
@@ -371,7 +376,7 @@ def test_token2wav_dtype_sets_the_dit_precision_only(tiny_qwen2_5_omni: str) -> 
               "talker": SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.05, ignore_eos=True)}
     audio = {}
     for dtype in ("auto", "bfloat16"):
-        deploy = {"stages": {"*": {"max_model_len": 512}, "token2wav": {"dtype": dtype}}}
+        deploy = {"stages": {"*": {"max_model_len": 512, **FP32}, "token2wav": {"dtype": dtype}}}
         decoder = build_pipeline(tiny_qwen2_5_omni, deploy).build_engine("token2wav").model
         vocoder = decoder.model.code2wav_bigvgan_model
         assert decoder.dit_dtype == (torch.float32 if dtype == "auto" else torch.bfloat16)

@@ -1,50 +1,35 @@
-"""The fused anti-aliased SnakeBeta kernel against transformers' five-pass activation. On a machine without a
-GPU the Triton kernel runs in Triton's interpreter (a subprocess: the switch is read at import)."""
+"""The fused anti-aliased SnakeBeta kernels against transformers' five-pass activation. On a machine without a
+GPU the Triton kernels run in Triton's interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-CHECK = """
-import torch
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (Qwen2_5OmniAntiAliasedActivation1d,
-                                                                   Qwen2_5OmniSnakeBeta)
-from omnistage.families.qwen2_5_omni import vocoder
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-device = "{device}"
-torch.manual_seed(0)
-for channels, length in ((8, 37), (3, 1), (5, 300)):
-    act = Qwen2_5OmniAntiAliasedActivation1d(Qwen2_5OmniSnakeBeta(channels)).to(device)
+
+@pytest.mark.parametrize(("channels", "length"), [(8, 37), (3, 1), (5, 300), (2, 2)])
+def test_fused_activation_equals_transformers(channels: int, length: int) -> None:
+    pytest.importorskip("triton")
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniAntiAliasedActivation1d,
+        Qwen2_5OmniSnakeBeta,
+    )
+
+    from omnistage.families.qwen2_5_omni import vocoder
+
+    torch.manual_seed(length)
+    act = Qwen2_5OmniAntiAliasedActivation1d(Qwen2_5OmniSnakeBeta(channels)).to(DEVICE)
     with torch.no_grad():
         act.act.alpha.normal_()
         act.act.beta.normal_()
-    fused = vocoder.FusedAntiAliasedSnake(act)
-    x = 2 * torch.randn(2, channels, length, device=device)
-    with torch.no_grad():
+        fused = vocoder.FusedAntiAliasedSnake(act)
+        x = 2 * torch.randn(2, channels, length, device=DEVICE)
         expected = act(x)
         got = vocoder.anti_aliased_snake(x, fused.alpha, fused.inv_beta, fused.up, fused.down, block=64)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-print("ok")
-"""
-
-
-def test_fused_activation_equals_transformers_in_the_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK.format(device="cpu")], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_fused_activation_equals_transformers_on_the_gpu() -> None:
-    exec(CHECK.format(device="cuda"), {})
 
 
 def test_every_vocoder_activation_is_swapped(tiny_qwen2_5_omni: str) -> None:

@@ -1,0 +1,121 @@
+"""Block-local attention: frames in blocks of `block`; a query in block i attends to the keys of blocks
+i-back .. i+ahead (a DiT's block attention, e.g. Qwen2.5-Omni's token2wav).
+
+Through a dense mask, every query scores every frame and most scores are thrown away. Here each query block
+scores only its own window of key blocks. On CUDA one Triton program per (sequence, query block, head) reads
+its query block and key/value blocks straight from the fused QKV projection's output and writes the result
+in the layout the output projection reads (no copies around the kernel); elsewhere the same windows run
+through torch's SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is needed only on CUDA
+    triton = None
+
+
+def block_window_mask(frames: int, block: int, back: int, ahead: int, device: torch.device) -> torch.Tensor | None:
+    """[blocks, 1, 1, window] bool: which keys of each query block's window (`back` blocks before it to `ahead`
+    after it) are real frames; None when all are."""
+    blocks = -(-frames // block)
+    if back == ahead == 0 and frames % block == 0:
+        return None
+    offsets = torch.arange((back + 1 + ahead) * block, device=device)
+    start = (torch.arange(blocks, device=device) - back) * block
+    position = start[:, None] + offsets[None, :]
+    return ((position >= 0) & (position < frames))[:, None, None, :]
+
+
+def block_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, back: int, ahead: int,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, frames, heads, dim] q, k, v -> [B, frames, heads, dim]; `mask` from block_window_mask."""
+    batch, frames, heads, dim = q.shape
+    blocks = -(-frames // block)
+    pad = blocks * block - frames
+
+    def blocked(x: torch.Tensor, before: int = 0, after: int = 0) -> torch.Tensor:
+        """[B, frames, H, D] -> [B, blocks + before + after, block, H, D], zero-padded."""
+        return F.pad(x, (0, 0, 0, 0, before * block, pad + after * block)).view(batch, -1, block, heads, dim)
+
+    def windows(x: torch.Tensor) -> torch.Tensor:
+        """[B * blocks, H, window, D]: each query block's keys (or values), `back` blocks before to `ahead` after."""
+        x = blocked(x, back, ahead)
+        x = torch.cat([x[:, j : j + blocks] for j in range(back + 1 + ahead)], dim=2) if back or ahead else x
+        return x.flatten(0, 1).transpose(1, 2)
+
+    queries = blocked(q).flatten(0, 1).transpose(1, 2)
+    if mask is not None:
+        mask = mask.repeat(batch, 1, 1, 1)
+    out = F.scaled_dot_product_attention(queries, windows(k), windows(v), attn_mask=mask)
+    return out.transpose(1, 2).reshape(batch, blocks * block, heads, dim)[:, :frames]
+
+
+def fused_available(qkv: torch.Tensor) -> bool:
+    dim = qkv.shape[-1]
+    return triton is not None and qkv.is_cuda and dim >= 16 and dim & (dim - 1) == 0
+
+
+def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """qkv [B, frames, 3, heads, dim] (a fused projection's output, viewed) -> [B, frames, heads, dim]. `mask`
+    (block_window_mask) is used by the torch path only. The Triton kernel multiplies float32 on TF32 tensor
+    cores when torch's matmuls do (torch.backends.cuda.matmul.allow_tf32), else in full float32."""
+    if not fused_available(qkv):
+        return block_attention_sdpa(*qkv.unbind(2), block, back, ahead, mask)
+    batch, frames, _, heads, dim = qkv.shape
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    out = torch.empty(batch, frames, heads, dim, device=qkv.device, dtype=qkv.dtype)
+    blocks = -(-frames // block)
+    exact = qkv.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    _block_attention_kernel[(batch * blocks, heads)](
+        qkv, out, frames, blocks, *qkv.stride()[:4], *out.stride()[:3], dim ** -0.5,
+        BLOCK=block, PAD=max(16, triton.next_power_of_2(block)), DIM=dim, BACK=back, AHEAD=ahead,
+        PRECISION="ieee" if exact else "tf32",
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_attention_kernel(QKV, OUT, frames, blocks, s_batch, s_frame, s_part, s_head, o_batch, o_frame, o_head,
+                                scale, BLOCK: tl.constexpr, PAD: tl.constexpr, DIM: tl.constexpr,
+                                BACK: tl.constexpr, AHEAD: tl.constexpr, PRECISION: tl.constexpr):
+        """One (sequence, query block, head): online softmax over the window's key blocks, one at a time."""
+        seq = tl.program_id(0) // blocks
+        i = tl.program_id(0) % blocks
+        head = tl.program_id(1)
+        rows = tl.arange(0, PAD)
+        cols = tl.arange(0, DIM)
+        base = QKV + seq.to(tl.int64) * s_batch + head * s_head
+        q_pos = i * BLOCK + rows
+        q_ok = (rows < BLOCK) & (q_pos < frames)
+        q = tl.load(base + q_pos[:, None] * s_frame + cols[None, :], mask=q_ok[:, None], other=0.0)
+        best = tl.full([PAD], float("-inf"), tl.float32)
+        total = tl.zeros([PAD], tl.float32)
+        acc = tl.zeros([PAD, DIM], tl.float32)
+        for j in tl.static_range(BACK + 1 + AHEAD):
+            k_pos = (i - BACK + j) * BLOCK + rows
+            k_ok = (rows < BLOCK) & (k_pos >= 0) & (k_pos < frames)
+            offsets = k_pos[:, None] * s_frame + cols[None, :]
+            k = tl.load(base + s_part + offsets, mask=k_ok[:, None], other=0.0)
+            v = tl.load(base + 2 * s_part + offsets, mask=k_ok[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(k_ok[None, :], scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a window block wholly outside
+            p = tl.exp(scores - shift[:, None])
+            keep = tl.exp(best - shift)
+            total = total * keep + tl.sum(p, axis=1)
+            acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            best = new_best
+        out = acc / total[:, None]
+        o = OUT + seq.to(tl.int64) * o_batch + head * o_head
+        tl.store(o + q_pos[:, None] * o_frame + cols[None, :], out.to(OUT.dtype.element_ty), mask=q_ok[:, None])
