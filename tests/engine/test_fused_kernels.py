@@ -42,3 +42,16 @@ def test_rotary_and_silu_mul(force_triton) -> None:
     torch.testing.assert_close(gk, ek, rtol=1e-5, atol=1e-5)
     gu = torch.randn(4, 2 * 1500, device=DEVICE)
     torch.testing.assert_close(fused.silu_mul(gu), torch.nn.functional.silu(gu[:, :1500]) * gu[:, 1500:])
+
+
+@pytest.mark.parametrize("with_update", [True, False])
+def test_residual_norm_modulate(force_triton, with_update: bool) -> None:
+    h, update = torch.randn(6, 40, device=DEVICE), torch.randn(6, 40, device=DEVICE)
+    gate, shift, scale = (torch.randn(40, device=DEVICE) for _ in range(3))
+    expected_h = h + gate * update if with_update else h
+    normed = (expected_h - expected_h.mean(-1, keepdim=True)) / torch.sqrt(
+        expected_h.var(-1, unbiased=False, keepdim=True) + 1e-6)
+    got_h, got_x = fused.residual_norm_modulate(h, update if with_update else None, gate if with_update else None,
+                                                shift, scale, 1e-6)
+    torch.testing.assert_close(got_h, expected_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_x, normed * scale + shift, rtol=1e-5, atol=1e-5)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.kernels.block_attention import block_attention, block_window_mask
+from omnistage.kernels.fused import residual_norm_modulate
 
 
 def _deinterleaved(dim: int) -> torch.Tensor:
@@ -124,29 +125,27 @@ class DiTSolver:
     def _forward(self, state: torch.Tensor, fixed: torch.Tensor, point: int,
                  rotary: tuple[torch.Tensor, torch.Tensor], masks: dict[tuple[int, int], torch.Tensor | None]
                  ) -> torch.Tensor:
-        """One DiT pass over [guided; unguided] copies of the state at evaluation point `point`."""
+        """One DiT pass over [guided; unguided] copies of the state at evaluation point `point`. Each seam
+        between sublayers (gated residual, then the next norm and its modulation) is one fused pass."""
         batch, frames, _ = state.shape
         rows, width, heads, head_dim = 2 * batch * frames, self.width, self.heads, self.head_dim
         h = torch.addmm(fixed, torch.cat([state, state]).flatten(0, 1), self.in_state.t())
         cos, sin = rotary
-        for blk, (w_qkv, b_qkv), mod, reach in zip(self.dit.transformer_blocks, self.qkv, self.modulation, self.reach,
-                                                   strict=True):
-            shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod[point]
-            x = torch.addcmul(shift_a, F.layer_norm(h, (width,), eps=1e-6), scale_a)
+        blocks = self.dit.transformer_blocks
+        mods = [mod[point] for mod in self.modulation]
+        h, x = residual_norm_modulate(h, None, None, mods[0][0], mods[0][1], 1e-6)
+        for i, (blk, (w_qkv, b_qkv), reach) in enumerate(zip(blocks, self.qkv, self.reach, strict=True)):
+            _, _, gate_a, shift_f, scale_f, gate_f = mods[i]
             qkv = F.linear(x, w_qkv, b_qkv).view(2 * batch, frames, 3, heads, head_dim)
             rotated = qkv[:, :, :2, 0]  # head 0 of query and key: the only rotated head (as trained)
             half = head_dim // 2
             turned = torch.cat([-rotated[..., half:], rotated[..., :half]], dim=-1)
             rotated.copy_(rotated * cos + turned * sin)
             attn = block_attention(qkv, self.block_size, *reach, masks[reach])
-            attn = F.linear(attn.reshape(rows, width), blk.attn.to_out[0].weight,
-                            blk.attn.to_out[0].bias)
-            h = torch.addcmul(h, gate_a, attn)
-            x = torch.addcmul(shift_f, F.layer_norm(h, (width,), eps=1e-6), scale_f)
+            attn = F.linear(attn.reshape(rows, width), blk.attn.to_out[0].weight, blk.attn.to_out[0].bias)
+            h, x = residual_norm_modulate(h, attn, gate_a, shift_f, scale_f, 1e-6)
             up, down = blk.ff.ff[0], blk.ff.ff[3]
-            h = torch.addcmul(h, gate_f, F.linear(F.gelu(F.linear(x, up.weight, up.bias), approximate="tanh"),
-                                                  down.weight, down.bias))
-        scale, shift = self.final[point]
-        x = torch.addcmul(shift, F.layer_norm(h, (width,), eps=1e-6), scale)
+            ff = F.linear(F.gelu(F.linear(x, up.weight, up.bias), approximate="tanh"), down.weight, down.bias)
+            scale, shift = self.final[point] if i + 1 == len(blocks) else (mods[i + 1][1], mods[i + 1][0])
+            h, x = residual_norm_modulate(h, ff, gate_f, shift, scale, 1e-6)
         return F.linear(x, self.dit.proj_out.weight, self.dit.proj_out.bias).view(2 * batch, frames, self.mel_dim)
-

@@ -426,10 +426,12 @@ def test_token2wav_graph_shapes_cover_streaming_windows(tiny_qwen2_5_omni: str) 
     assert decoder.solve.batches == [1, 2, 4, 8, 16]  # max_batch 16: a batch of 13 replays 8 + 4 + 1
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_dit_solver_equals_transformers_sample(tiny_qwen2_5_omni: str, dtype: torch.dtype) -> None:
-    """Our solve (speaker encoder once per voice, time conditioning once, fused projections) against
-    transformers' `Qwen2_5OmniToken2WavDiTModel.sample` from the same noise, batch of two voices."""
+def test_dit_solver_equals_transformers_sample(tiny_qwen2_5_omni: str, dtype: torch.dtype, device: str) -> None:
+    """Our solve (speaker encoder once per voice, time conditioning once, fused projections; on a GPU the
+    Triton block attention and norm kernels) against transformers' `Qwen2_5OmniToken2WavDiTModel.sample`
+    from the same noise, batch of two voices."""
     from pathlib import Path
 
     from transformers import Qwen2_5OmniConfig
@@ -437,18 +439,19 @@ def test_dit_solver_equals_transformers_sample(tiny_qwen2_5_omni: str, dtype: to
     from omnistage.families.qwen2_5_omni import models
     from omnistage.families.qwen2_5_omni.dit import DiTSolver
 
-    path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
+    path, dev = Path(tiny_qwen2_5_omni), torch.device(device)
     config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
-    dit = models.load_token2wav(path, config, cpu, dtype).code2wav_dit_model
+    dit = models.load_token2wav(path, config, dev, dtype).code2wav_dit_model
     voices = models.load_voices(path)
-    cond = torch.cat([voices[v]["cond"] for v in ("Ethan", "Chelsie")]).to(dtype)
-    ref_mel = torch.cat([voices[v]["ref_mel"] for v in ("Ethan", "Chelsie")]).to(dtype)
+    cond = torch.cat([voices[v]["cond"] for v in ("Ethan", "Chelsie")]).to(dev, dtype)
+    ref_mel = torch.cat([voices[v]["ref_mel"] for v in ("Ethan", "Chelsie")]).to(dev, dtype)
     codes = torch.randint(0, config.dit_config.num_embeds - 1, (2, 30), generator=torch.Generator().manual_seed(3))
+    codes = codes.to(dev)
     with torch.inference_mode():
         torch.manual_seed(7)
         expected = dit.sample(cond, ref_mel, codes)  # draws its noise first thing
         torch.manual_seed(7)
-        noise = torch.randn([2, 30 * dit.repeats, dit.mel_dim], dtype=dtype)
+        noise = torch.randn([2, 30 * dit.repeats, dit.mel_dim], dtype=dtype, device=dev)  # as sample draws it
         solver = DiTSolver(dit, num_steps=10, guidance_scale=0.5, sway=-1.0)
         features = torch.cat([solver.speaker_features(ref_mel[i : i + 1]) for i in range(2)])
         got = solver.solve(noise, codes, cond, features)
