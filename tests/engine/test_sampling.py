@@ -125,11 +125,14 @@ def test_top_p_and_min_p_keep_the_right_tokens() -> None:
 
 @pytest.mark.parametrize("greedy_row", [False, True], ids=["sampled", "sampled_and_penalised_greedy"])
 def test_decoding_in_flight_samples_the_same_tokens(tiny_qwen2: str, greedy_row: bool) -> None:
-    """Steps kept in flight draw on the device (penalties from the device-side token history, filters, bans)
-    exactly what step-by-step sampling on the host draws from the same engine seed."""
+    """Steps kept in flight draw on the device (penalties from the device-side token history, filters, bans,
+    per-request seeds) exactly what step-by-step sampling on the host draws. Seeded, so which requests share
+    a step (thread timing) does not matter."""
     sampled = SamplingParams(max_tokens=20, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.3,
                              frequency_penalty=0.2, presence_penalty=0.1, bad_token_ids=[5, 6, 7], ignore_eos=True)
-    params = [sampled, sampled.with_overrides(temperature=0.0 if greedy_row else 1.2, top_k=0), sampled]
+    params = [sampled.with_overrides(seed=11),
+              sampled.with_overrides(temperature=0.0 if greedy_row else 1.2, top_k=0, seed=12),
+              sampled.with_overrides(seed=13)]
     runs = {}
     for overlap in (True, False):
         deploy = {"stages": {"lm": {"max_model_len": 128, "overlap_decode": overlap}}}

@@ -251,8 +251,8 @@ class AREngine:
             self.abort(seq.request_id)
 
     # ---- overlapped decoding -------------------------------------------------------------------
-    # While every scheduled sequence decodes one token that the device can choose alone (greedy, or sampled
-    # without logprobs or a per-request seed) and nobody waits to be admitted, the engine keeps one step in
+    # While every scheduled sequence decodes one token that the device can choose alone (greedy, or sampled,
+    # seeded or not, without logprobs) and nobody waits to be admitted, the engine keeps one step in
     # flight: it launches step N+1 (its input tokens are step N's outputs, passed on the device) before
     # reading step N's tokens, so the host's bookkeeping overlaps the device's work. Penalties read the
     # tokens from a device-side history that each step's draw is recorded into. A sequence that turns out
@@ -263,7 +263,6 @@ class AREngine:
         return (
             seq.input_final
             and params.logprobs is None
-            and seq.generator is None
             and seq.num_output_tokens >= params.min_tokens
             and pos not in seq.embeds
             and not seq.return_hidden

@@ -66,6 +66,7 @@ class SamplingColumns:
     frequency: torch.Tensor | None
     presence: torch.Tensor | None
     ban: torch.Tensor | None  # [rows, vocab] bool
+    generators: tuple[torch.Generator | None, ...]  # a seeded row's own noise source
 
     @classmethod
     def build(cls, rows: list[SampleRow], vocab: int, device: torch.device,
@@ -96,6 +97,7 @@ class SamplingColumns:
             frequency=column([p.frequency_penalty for p in params], any(p.frequency_penalty for p in params)),
             presence=column([p.presence_penalty for p in params], any(p.presence_penalty for p in params)),
             ban=ban,
+            generators=tuple(r.generator for r in rows),
         )
 
     @property
@@ -225,7 +227,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
         cols = self.columns(rows, logits.shape[-1], logits.device)
         logits = penalize(logits, cols, *history_from_lists(rows, cols, logits.shape[-1], logits.device))
-        token_ids = choose(logits, cols, lambda probs: self._exponential_noise(probs, rows)).tolist()
+        token_ids = choose(logits, cols, lambda probs: self._exponential_noise(probs, cols.generators)).tolist()
         return token_ids, self._logprobs(raw_logprobs, token_ids, rows)
 
     def columns(self, rows: list[SampleRow], vocab: int, device: torch.device) -> SamplingColumns:
@@ -233,19 +235,20 @@ class Sampler:
 
     def on_device(self, logits: torch.Tensor, cols: SamplingColumns, history: tuple[torch.Tensor, torch.Tensor]
                   | None) -> torch.Tensor:
-        """Token ids for a batch of rows without per-request generators, left on the device (no host sync):
-        what an overlapped decode step feeds to the next one. The same arithmetic as `__call__`."""
+        """Token ids for a batch, left on the device (no host sync): what an overlapped decode step feeds to the
+        next one. The same arithmetic and noise as `__call__`."""
         seen, counts = history if history is not None else (None, None)
         logits = penalize(logits.float(), cols, seen, counts)
-        return choose(logits, cols, lambda probs: self._exponential_noise(probs, ()))
+        return choose(logits, cols, lambda probs: self._exponential_noise(probs, cols.generators))
 
-    def _exponential_noise(self, probs: torch.Tensor, rows: list[SampleRow] | tuple) -> torch.Tensor:
+    def _exponential_noise(self, probs: torch.Tensor, generators: tuple[torch.Generator | None, ...]
+                           ) -> torch.Tensor:
         if self.generator is None or self.generator.device != probs.device:
             self.generator = torch.Generator(device=probs.device).manual_seed(self.seed)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                noise[i].exponential_(generator=row.generator)
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
         return noise
 
     @staticmethod

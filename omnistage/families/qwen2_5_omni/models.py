@@ -104,10 +104,13 @@ class ThinkerLM(hf.HFCausalLM):
                 out = getter(t[pixels].to(device, embeds.dtype), t[grid].to(device), return_dict=True)
                 feats = torch.cat(list(out.pooler_output), dim=0)
                 embeds = _scatter(embeds, ids[0] == getattr(self.thinker.config, token), feats, kind)
+        def here(name: str) -> torch.Tensor | None:  # the processor's tensors live on the host
+            return t[name].to(device) if name in t else None
+
         positions, deltas = self.thinker.get_rope_index(
-            ids, t.get("image_grid_thw"), t.get("video_grid_thw"), torch.ones_like(ids),
+            ids, here("image_grid_thw"), here("video_grid_thw"), torch.ones_like(ids),
             bool(t.get("use_audio_in_video", torch.tensor(False)).item()), audio_lengths,
-            t.get("video_second_per_grid"),
+            here("video_second_per_grid"),
         )
         inp.embeds = embeds
         inp.rope_positions = positions[:, 0]
