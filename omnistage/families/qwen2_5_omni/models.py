@@ -104,18 +104,21 @@ class ThinkerLM(hf.HFCausalLM):
                 out = getter(t[pixels].to(device, embeds.dtype), t[grid].to(device), return_dict=True)
                 feats = torch.cat(list(out.pooler_output), dim=0)
                 embeds = _scatter(embeds, ids[0] == getattr(self.thinker.config, token), feats, kind)
-        def here(name: str) -> torch.Tensor | None:  # the processor's tensors live on the host
-            return t[name].to(device) if name in t else None
-
         positions, deltas = self.thinker.get_rope_index(
-            ids, here("image_grid_thw"), here("video_grid_thw"), torch.ones_like(ids),
+            ids, *_media_layout(t, device, ("image_grid_thw", "video_grid_thw")), torch.ones_like(ids),
             bool(t.get("use_audio_in_video", torch.tensor(False)).item()), audio_lengths,
-            here("video_second_per_grid"),
+            *_media_layout(t, device, ("video_second_per_grid",)),
         )
         inp.embeds = embeds
         inp.rope_positions = positions[:, 0]
         inp.rope_delta = int(deltas.view(-1)[0])
         return inp
+
+
+def _media_layout(tensors: dict[str, torch.Tensor], device: torch.device, names: tuple[str, ...]
+                  ) -> list[torch.Tensor | None]:
+    """The named media-layout tensors (the processor's, made on the host) on `device`; None where absent."""
+    return [tensors[name].to(device) if name in tensors else None for name in names]
 
 
 def fused_forward(decoder: nn.Module):
@@ -174,9 +177,9 @@ class TalkerLM(hf.HFCausalLM):
             inp.token_ids = [self.codec["mask"]] * n + [self.codec["pad"], self.codec["bos"]]
             text_ids = torch.tensor([prompt + [int(t["voice_bos"]), int(t["first_token"])]], device=self.device)
             positions, deltas = self.talker.get_rope_index(
-                text_ids, t.get("image_grid_thw"), t.get("video_grid_thw"), torch.ones_like(text_ids),
-                bool(t.get("use_audio_in_video", torch.tensor(False)).item()), t.get("audio_lengths"),
-                t.get("video_second_per_grid"),
+                text_ids, *_media_layout(t, self.device, ("image_grid_thw", "video_grid_thw")),
+                torch.ones_like(text_ids), bool(t.get("use_audio_in_video", torch.tensor(False)).item()),
+                *_media_layout(t, self.device, ("audio_lengths", "video_second_per_grid")),
             )
             inp.rope_positions, inp.rope_delta = positions[:, 0], int(deltas.view(-1)[0])
             rows = rows[n + 1 :]
