@@ -135,7 +135,7 @@ def test_decoding_in_flight_samples_the_same_tokens(tiny_qwen2: str, greedy_row:
               sampled.with_overrides(seed=13)]
     runs = {}
     for overlap in (True, False):
-        deploy = {"stages": {"lm": {"max_model_len": 128, "overlap_decode": overlap}}}
+        deploy = {"stages": {"lm": {"max_model_len": 128, "overlap_decode": overlap, "overlap_sampled": overlap}}}
         with Omni(tiny_qwen2, deploy) as omni:
             first = omni.generate(PROMPTS[:3], params)
             second = omni.generate(PROMPTS[1:4], params)  # history slots reused by new requests
@@ -144,7 +144,9 @@ def test_decoding_in_flight_samples_the_same_tokens(tiny_qwen2: str, greedy_row:
     assert stats["num_overlapped_steps"] > 30 and plain_stats["num_overlapped_steps"] == 0
     assert tokens == reference
     assert not {5, 6, 7} & {t for row in tokens for t in row}
-    with Omni(tiny_qwen2, {"stages": {"lm": {"max_model_len": 128}}}) as omni:
+    with Omni(tiny_qwen2, {"stages": {"lm": {"max_model_len": 128}}}) as omni:  # the defaults
+        assert [o.token_ids for o in omni.generate(PROMPTS[:3], params)] == reference[:3]
+        assert omni.stats()["lm"]["num_overlapped_steps"] == 0  # sampled steps stay on the host unless asked
         greedy = [o.token_ids for o in omni.generate(PROMPTS[:3], SamplingParams(max_tokens=20, temperature=0,
                                                                                  ignore_eos=True))]
     assert tokens[0] != greedy[0] and tokens[2] != greedy[2]  # it did sample

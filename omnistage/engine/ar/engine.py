@@ -37,7 +37,8 @@ class AREngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    overlap_decode: bool = True  # keep a decode step in flight while the host handles the last
+    overlap_decode: bool = True  # keep a greedy decode step in flight while the host handles the last
+    overlap_sampled: bool = False  # ... and sampled / penalised ones (tokens drawn on the device)
     # Hidden states a request can ask for: output name -> layer (0 = embeddings, L = final).
     hidden_state_layers: dict[str, int] = field(default_factory=dict)
     default_params: SamplingParams = field(default_factory=SamplingParams)
@@ -251,18 +252,19 @@ class AREngine:
             self.abort(seq.request_id)
 
     # ---- overlapped decoding -------------------------------------------------------------------
-    # While every scheduled sequence decodes one token that the device can choose alone (greedy, or sampled,
-    # seeded or not, without logprobs) and nobody waits to be admitted, the engine keeps one step in
-    # flight: it launches step N+1 (its input tokens are step N's outputs, passed on the device) before
-    # reading step N's tokens, so the host's bookkeeping overlaps the device's work. Penalties read the
-    # tokens from a device-side history that each step's draw is recorded into. A sequence that turns out
-    # to have finished at step N wastes one token of N+1.
+    # While every scheduled sequence decodes one token that the device can choose alone (greedy; with
+    # `overlap_sampled` also sampled, seeded or not, or penalised, without logprobs) and nobody waits to be
+    # admitted, the engine keeps one step in flight: it launches step N+1 (its input tokens are step N's
+    # outputs, passed on the device) before reading step N's tokens, so the host's bookkeeping overlaps the
+    # device's work. Penalties read the tokens from a device-side history that each step's draw is recorded
+    # into. A sequence that turns out to have finished at step N wastes one token of N+1.
 
     def _overlappable(self, seq: Sequence) -> bool:
         params, pos = seq.params, seq.num_computed
         return (
             seq.input_final
             and params.logprobs is None
+            and (params.plain_greedy or self.config.overlap_sampled)
             and seq.num_output_tokens >= params.min_tokens
             and pos not in seq.embeds
             and not seq.return_hidden

@@ -88,6 +88,7 @@ def ar_engine(
         enable_prefix_caching=cfg.enable_prefix_caching,
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         overlap_decode=cfg.overlap_decode,
+        overlap_sampled=cfg.overlap_sampled,
         hidden_state_layers=hidden_state_layers or {},
         default_params=cfg.sampling_params(),
     )

@@ -86,7 +86,8 @@ def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference, a
         "thinker": SamplingParams(max_tokens=THINKER_TOKENS, temperature=0, ignore_eos=True),
         "talker": SamplingParams(max_tokens=TALKER_CODES, temperature=0, repetition_penalty=1.05, ignore_eos=True),
     }
-    deploy = {"async_chunk": async_chunk, "stages": {"*": {"max_model_len": 512, **FP32}}}
+    deploy = {"async_chunk": async_chunk,
+              "stages": {"*": {"max_model_len": 512, **FP32}, "talker": {"overlap_sampled": True}}}
     with Omni(tiny_qwen2_5_omni, deploy) as omni:
         (spoken,) = omni.generate([MESSAGES], params, ("text", "audio"), voice=VOICE)
         (text_only,) = omni.generate([MESSAGES], params["thinker"])
@@ -98,7 +99,8 @@ def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference, a
     torch.testing.assert_close(torch.from_numpy(spoken.audio), wav.float(), rtol=1e-4, atol=1e-4)
     assert text_only.audio is None and text_only.error is None
     assert stats["talker"]["kv_blocks_used"] == 0 and stats["talker"]["num_running"] == 0
-    # the talker's decode steps ran in flight: penalties from the device-side history, thinker rows added
+    # the talker's (penalised) decode steps ran in flight: penalties from the device-side history, thinker rows
+    # added on the device
     assert stats["talker"]["num_overlapped_steps"] > TALKER_CODES // 2
 
 
