@@ -192,8 +192,7 @@ class TokenHistory:
         return self.seen.index_select(0, slots), self.counts.index_select(0, slots)
 
     def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Device-side only: no host value is copied (`seen[i, j] = True` would copy a host scalar, and a copy
-        from pageable memory waits for the device: the step in flight would no longer overlap anything)."""
+        """Mark `token_ids` seen and count them in their rows, with device-side values only (no host copy)."""
         ones = torch.ones_like(token_ids, dtype=self.counts.dtype)
         self.seen.index_put_((slots, token_ids), ones.bool())
         self.counts.index_put_((slots, token_ids), ones, accumulate=True)
