@@ -192,10 +192,11 @@ class TokenHistory:
         return self.seen.index_select(0, slots), self.counts.index_select(0, slots)
 
     def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Mark `token_ids` seen and count them in their rows, with device-side values only (no host copy)."""
-        ones = torch.ones_like(token_ids, dtype=self.counts.dtype)
-        self.seen.index_put_((slots, token_ids), ones.bool())
-        self.counts.index_put_((slots, token_ids), ones, accumulate=True)
+        """Mark `token_ids` seen and count them in their rows. Flat scatters, not advanced-index puts: an
+        accumulating `index_put_` checks its indices' range on the host (a device sync) in some torch builds."""
+        flat = slots * self.seen.shape[1] + token_ids
+        self.seen.view(-1).scatter_(0, flat, True)
+        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
 
 
 class Sampler:
