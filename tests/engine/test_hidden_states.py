@@ -40,3 +40,4 @@ def test_hidden_states_match_hf(tiny_qwen3: str) -> None:
         got = torch.cat(rows[name])
         assert got.shape[0] == len(full) - 1  # every computed position once; the last sample is never fed back
         torch.testing.assert_close(got, ref[layer][0], rtol=1e-4, atol=1e-4)
+    assert engine.num_overlapped_steps > 0  # decode steps with hidden states ran in flight

@@ -154,8 +154,9 @@ def test_decoding_in_flight_samples_the_same_tokens(tiny_qwen2: str, greedy_row:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_launching_a_sampled_step_never_waits_for_the_device(tiny_qwen2: str) -> None:
-    """The point of a step in flight: launching it (graph replay, device-side penalties, filters, draw, history
-    record, token copy) must not synchronise with the GPU. CUDA's sync debug mode turns any wait into an error."""
+    """The point of a step in flight: launching it (graph replay, hidden rows, device-side penalties, filters,
+    draw, history record, token copy) must not synchronise with the GPU. CUDA's sync debug mode turns any wait
+    into an error."""
     from omnistage.config.deploy import load_deploy_config
     from omnistage.engine.types import StageInput
     from omnistage.families.causal_lm import build_ar_engine
@@ -163,11 +164,12 @@ def test_launching_a_sampled_step_never_waits_for_the_device(tiny_qwen2: str) ->
 
     family, info = detect_family(tiny_qwen2)
     deploy = {"stages": {"lm": {"max_model_len": 128, "overlap_sampled": True}}}
-    engine = build_ar_engine(family.pipeline(info, load_deploy_config(deploy)), "lm")
+    engine = build_ar_engine(family.pipeline(info, load_deploy_config(deploy)), "lm", hidden_state_layers={"embed": 0})
     params = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.3,
                             frequency_penalty=0.2, bad_token_ids=[5], ignore_eos=True)
     for i in range(2):
-        engine.add_request(StageInput(f"r{i}", [11 + i, 23, 37, 41], params=params.with_overrides(seed=i)))
+        engine.add_request(StageInput(f"r{i}", [11 + i, 23, 37, 41], params=params.with_overrides(seed=i),
+                                      return_hidden_states=i == 0))  # a talker's feed: hidden rows too
     engine.step()  # prefill: sampled on the host
     engine.step()  # the first step in flight (loads the history)
     launch = engine.runner.launch_decode

@@ -63,9 +63,10 @@ class AREngine:
         max_batched = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             max_batched = max(max_batched, config.max_model_len)
+        self._hidden_layers = tuple(sorted(set(config.hidden_state_layers.values())))
         self.runner = ModelRunner(
             model, config.block_size, config.max_num_seqs, config.max_model_len, config.enforce_eager,
-            graph_layers=tuple(sorted(set(config.hidden_state_layers.values()))),
+            graph_layers=self._hidden_layers,
         )
         activation_bytes = self.runner.profile(max_batched)
         num_blocks = plan_num_blocks(
@@ -218,7 +219,7 @@ class AREngine:
             return []
         if self.config.overlap_decode and all(n == 1 and self._overlappable(s) for s, n in batch):
             return self._start_decode([s for s, _ in batch])
-        layers = tuple(sorted(set(self.config.hidden_state_layers.values())))
+        layers = self._hidden_layers
         want_hidden = layers and any(s.return_hidden for s, _ in batch)
         try:
             result = self.runner.execute(batch, layers if want_hidden else ())
@@ -236,7 +237,8 @@ class AREngine:
         for i, (seq, _) in enumerate(batch):
             out = StageOutput(request_id=seq.request_id, stage=self.name)
             if want_hidden and seq.return_hidden:
-                self._collect_hidden(seq, out, result.hidden, result.row_spans[i])
+                span = result.row_spans[i]
+                self._collect_hidden(seq, out, result.hidden, span, seq.num_computed - (span[1] - span[0]))
             if i in sampled:
                 self._append_token(seq, out, *sampled[i])
             self._emit(seq, out, outputs)
@@ -267,14 +269,14 @@ class AREngine:
             and (params.plain_greedy or self.config.overlap_sampled)
             and seq.num_output_tokens >= params.min_tokens
             and pos not in seq.embeds
-            and not seq.return_hidden
             # an added row (a talker's thinker states) for the position must have arrived
             and (seq.embed_adds is None or seq.adds_final or pos - seq.num_prompt_tokens < len(seq.embed_adds))
         )
 
     def _launch(self, seqs: list[Sequence], previous: DecodeLaunch | None = None) -> DecodeLaunch:
+        layers = self._hidden_layers if any(s.return_hidden for s in seqs) else ()
         if all(s.params.plain_greedy for s in seqs):
-            return self.runner.launch_decode(seqs, previous)  # the argmax, computed in the graph
+            return self.runner.launch_decode(seqs, previous, output_layers=layers)  # the argmax, from the graph
         pending = {id(s) for s in previous.seqs} if previous is not None else set()
 
         def sample(logits: torch.Tensor) -> torch.Tensor:
@@ -287,7 +289,7 @@ class AREngine:
                     seq.history_len += 1
             return tokens
 
-        return self.runner.launch_decode(seqs, previous, sample)
+        return self.runner.launch_decode(seqs, previous, sample, layers)
 
     def _batch_columns(self, seqs: list[Sequence], vocab: int, device: torch.device, pending: set[int]
                        ) -> tuple[SamplingColumns, torch.Tensor]:
@@ -357,10 +359,12 @@ class AREngine:
         for seq in following:
             seq.num_computed += 1
         outputs: list[StageOutput] = []
-        for seq, token in zip(current.seqs, tokens, strict=True):
+        for row, (seq, token) in enumerate(zip(current.seqs, tokens, strict=True)):
             if self.seqs.get(seq.request_id) is not seq:
                 continue  # finished or aborted while its step was in flight
             out = StageOutput(request_id=seq.request_id, stage=self.name)
+            if seq.return_hidden and current.hidden:
+                self._collect_hidden(seq, out, current.hidden, (row, row + 1), current.positions[row])
             self._append_token(seq, out, token, None)
             self.block_manager.register_full_blocks(seq)
             self._emit(seq, out, outputs)
@@ -378,17 +382,16 @@ class AREngine:
             params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator, seq.banned[1]
         )
 
-    def _collect_hidden(
-        self, seq: Sequence, out: StageOutput, hidden: dict[int, torch.Tensor], span: tuple[int, int]
-    ) -> None:
-        """Hidden rows for positions not yet sent (recomputed rows after preemption are skipped)."""
-        start_pos = seq.num_computed - (span[1] - span[0])
+    def _collect_hidden(self, seq: Sequence, out: StageOutput, hidden: dict[int, torch.Tensor],
+                        span: tuple[int, int], start_pos: int) -> None:
+        """Hidden rows (`span` of the step's rows, for positions from `start_pos`) not yet sent: rows
+        recomputed after a preemption are skipped."""
         skip = max(0, seq.hidden_sent - start_pos)
         if span[0] + skip >= span[1]:
             return
         for name, layer in self.config.hidden_state_layers.items():
             out.hidden_states[name] = hidden[layer][span[0] + skip : span[1]]
-        seq.hidden_sent = seq.num_computed
+        seq.hidden_sent = start_pos + span[1] - span[0]
 
     def _append_token(self, seq: Sequence, out: StageOutput, token_id: int, logprob) -> None:
         params = seq.params

@@ -40,6 +40,8 @@ class DecodeLaunch:
 
     seqs: list[Sequence]
     tokens: torch.Tensor  # [n] chosen ids, on the device
+    positions: list[int]  # the position each sequence computed
+    hidden: dict[int, torch.Tensor]  # layer -> [n, hidden] for the computed positions (when asked for)
     host_tokens: torch.Tensor | None = None  # pinned copy of `tokens`, filled asynchronously (CUDA)
     done: torch.cuda.Event | None = None
 
@@ -241,23 +243,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_decode(self, seqs: list[Sequence], previous: DecodeLaunch | None = None,
-                      sample: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DecodeLaunch:
+                      sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      output_layers: tuple[int, ...] = ()) -> DecodeLaunch:
         """Decode one token for each sequence (at position `num_computed`) without waiting for the device:
-        the argmax, or `sample(logits)` (ids left on the device). A sequence whose input token is still
-        `previous`'s output takes it on the device."""
+        the argmax, or `sample(logits)` (ids left on the device); with `output_layers`, those layers' rows
+        too. A sequence whose input token is still `previous`'s output takes it on the device."""
         p = self._pack([(s, 1) for s in seqs])
         where = {id(s): i for i, s in enumerate(previous.seqs)} if previous else {}
         pending = [(i, where[id(s)]) for i, s in enumerate(seqs) if s.num_computed >= s.num_tokens]
-        if self._graph_fits(p, len(seqs)):
-            logits, argmax, _ = self._replay(p, previous, pending)
+        if self._graph_fits(p, len(seqs)) and set(output_layers) <= set(self.graph_layers):
+            logits, argmax, layers = self._replay(p, previous, pending)
+            hidden = {i: layers[i][: len(seqs)].clone() for i in output_layers}  # the next replay overwrites
         else:
             ids = self._tensor(p.ids)
             self._take_previous(ids, previous, pending)
-            hidden, _ = self.model.forward(ids, self._rope(p), self._metadata(p), self._input_embeds(p, ids))
-            logits = self.model.compute_logits(hidden)
+            last, hidden = self.model.forward(ids, self._rope(p), self._metadata(p), self._input_embeds(p, ids),
+                                              output_layers)
+            logits = self.model.compute_logits(last)
             argmax = logits.argmax(dim=-1) if sample is None else None
         tokens = argmax if sample is None else sample(logits)
-        launch = DecodeLaunch(seqs, tokens)
+        launch = DecodeLaunch(seqs, tokens, p.positions, hidden)
         if self.device.type == "cuda":
             self._token_slot ^= 1
             launch.host_tokens = self._host_tokens[self._token_slot]
