@@ -158,7 +158,7 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
          backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
-         overlap_decode: bool = True) -> None:
+         overlap_decode: bool = True, overlap_sampled: bool = False) -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -166,7 +166,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     deploy = yaml.safe_load(DEPLOY.read_text())
     deploy["worker_backend"] = backend
     for name in ("thinker", "talker"):
-        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency), overlap_decode=overlap_decode)
+        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency), overlap_decode=overlap_decode,
+                                       overlap_sampled=overlap_sampled)
     deploy["stages"]["token2wav"].update(max_num_seqs=max(concurrency), dtype=token2wav_dtype)
     deploy["stages"]["token2wav"]["options"]["tf32"] = tf32
     if stream_priority != "auto":
@@ -201,7 +202,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             wall = statistics.median(w for _, w in runs)
             audio = sum(r["audio"] for r in runs[0][0])
             record(part="omnistage", backend=deploy["worker_backend"], token2wav_dtype=token2wav_dtype, tf32=tf32,
-                   stream_priority=stream_priority, overlap_decode=overlap_decode,
+                   stream_priority=stream_priority, overlap_decode=overlap_decode, overlap_sampled=overlap_sampled,
                    concurrency=n, requests=len(runs[0][0]),
                    prompt_tokens=results[0]["prompt"],
                    thinker_tokens=thinker_tokens, codes=codes,
@@ -244,6 +245,8 @@ def main() -> None:
     ap.add_argument("--stream-priority", choices=["auto", "normal"], default="auto",
                     help="inline stages' CUDA stream priorities: auto (thinker and talker high) or all normal")
     ap.add_argument("--no-overlap", action="store_true", help="AR stages read each step's tokens before the next")
+    ap.add_argument("--overlap-sampled", action="store_true",
+                    help="sampled (talker) decode steps in flight too, drawn on the device")
     ap.add_argument("--wave-timeout", type=float, default=240.0, help="seconds before a wave counts as stuck")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--profile", type=Path, help="also write a torch profiler trace of one wave per concurrency here")
@@ -272,7 +275,8 @@ def main() -> None:
             try:
                 ours(path, thinker_tokens, codes, concurrency, record, backend, args.wave_timeout,
                      token2wav_dtype=args.token2wav_dtype, tf32=args.tf32, stream_priority=args.stream_priority,
-                     profile_dir=args.profile, overlap_decode=not args.no_overlap)
+                     profile_dir=args.profile, overlap_decode=not args.no_overlap,
+                     overlap_sampled=args.overlap_sampled)
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")
