@@ -13,7 +13,8 @@ from omnistage.sampling_params import SamplingParams
 
 def test_hidden_states_match_hf(tiny_qwen3: str) -> None:
     family, info = detect_family(tiny_qwen3)
-    deploy = load_deploy_config({"stages": {"lm": {"max_model_len": 128, "max_num_batched_tokens": 16}}})
+    stage = {"max_model_len": 128, "max_num_batched_tokens": 16, "dtype": "float32"}  # as HF runs
+    deploy = load_deploy_config({"stages": {"lm": stage}})
     pipeline = family.pipeline(info, deploy)
     engine = build_ar_engine(pipeline, "lm", hidden_state_layers={"embed": 0, "mid": 1, "last": 2})
     prompt = pipeline.tokenizer.encode("A prompt long enough to need two prefill chunks of sixteen tokens each")

@@ -15,7 +15,7 @@ PROMPTS = ["Once upon a time", "The weather today", "Numbers: 1, 2, 3", "Why"]
 
 @pytest.fixture(scope="module")
 def omni(tiny_qwen2: str):
-    with Omni(tiny_qwen2, {"stages": {"lm": {"max_model_len": 128}}}) as o:
+    with Omni(tiny_qwen2, {"stages": {"lm": {"max_model_len": 128, "dtype": "float32"}}}) as o:
         yield o
 
 

@@ -26,7 +26,8 @@ def hf(tiny_qwen2: str):
 @pytest.fixture
 def engine(tiny_qwen2: str):
     family, info = detect_family(tiny_qwen2)
-    pipeline = family.pipeline(info, load_deploy_config({"stages": {"lm": {"max_model_len": 128, "block_size": 4}}}))
+    stage = {"max_model_len": 128, "block_size": 4, "dtype": "float32"}  # as HF runs
+    pipeline = family.pipeline(info, load_deploy_config({"stages": {"lm": stage}}))
     engine = build_ar_engine(pipeline, "lm")
     yield engine
     engine.shutdown()

@@ -62,7 +62,7 @@ def hf_reference(request):
 
 
 def deploy(**stage: object) -> dict:
-    return {"stages": {"lm": {"max_model_len": 128} | stage}}
+    return {"stages": {"lm": {"max_model_len": 128, "dtype": "float32"} | stage}}  # as HF runs (GPUs: bf16)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
