@@ -3,7 +3,8 @@
 Every transform is vectorised over the batch; rows that do not use a feature get its neutral
 value. Sampling uses the exponential-race form of a categorical draw (argmax p / E, E ~ Exp(1)),
 so a seeded request draws its noise from its own generator and gets the same tokens whatever
-else is in the batch.
+else is in the batch. Penalties see earlier tokens either through the rows' own lists (a step the host
+samples) or through a device-side TokenHistory (steps kept in flight, which never wait for the host).
 """
 
 from __future__ import annotations
