@@ -193,3 +193,33 @@ def test_launching_a_sampled_step_never_waits_for_the_device(tiny_qwen2: str) ->
         engine.shutdown()
     assert not waits
     assert engine.num_overlapped_steps >= 8
+
+
+def test_device_history_draws_what_the_token_lists_draw() -> None:
+    """The device path (columns, TokenHistory rows) and the list path (`Sampler.__call__`) are one arithmetic:
+    same tokens from the same seeds; recording a draw equals loading the lists that include it."""
+    from omnistage.engine.ar.sampler import TokenHistory
+
+    vocab, cpu = 50, torch.device("cpu")
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.5, frequency_penalty=0.3,
+                            presence_penalty=0.2)
+    lists = [([1, 2, 3], [4, 4, 9]), ([7], []), ([10, 11], [12, 30, 30, 30])]
+
+    def rows() -> list[SampleRow]:  # fresh per-request generators for each path
+        return [SampleRow(params if i != 1 else params.with_overrides(temperature=0.0), prompt, out,
+                          torch.Generator().manual_seed(i) if i != 2 else None, (5,) if i == 0 else ())
+                for i, (prompt, out) in enumerate(lists)]
+
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    expected, _ = Sampler(seed=5)(logits.clone(), rows())
+    sampler, history, slots = Sampler(seed=5), TokenHistory(4, vocab, cpu), torch.tensor([2, 0, 3])
+    for slot, (prompt, out) in zip(slots.tolist(), lists, strict=True):
+        history.load(slot, prompt, out)
+    drawn = sampler.on_device(logits.clone(), sampler.columns(rows(), vocab, cpu), history.rows(slots))
+    assert drawn.tolist() == expected
+    history.record(slots, drawn)
+    reloaded = TokenHistory(4, vocab, cpu)
+    for slot, (prompt, out), token in zip(slots.tolist(), lists, expected, strict=True):
+        reloaded.load(slot, prompt, out + [token])
+    for got, want in zip(history.rows(slots), reloaded.rows(slots), strict=True):
+        torch.testing.assert_close(got, want)

@@ -223,8 +223,8 @@ class AREngine:
         want_hidden = layers and any(s.return_hidden for s, _ in batch)
         try:
             result = self.runner.execute(batch, layers if want_hidden else ())
-            rows = [self._sample_row(batch[i][0]) for i in result.sample_rows]
-            token_ids, logprobs = self.sampler(result.logits, rows, result.argmax) if rows else ([], [])
+            sampling = [batch[i][0] for i in result.sample_rows]
+            token_ids, logprobs = self._sample(sampling, result.logits, result.argmax) if sampling else ([], [])
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("stage %s: step failed", self.name)
             return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq, _ in batch]
@@ -278,18 +278,30 @@ class AREngine:
         if all(s.params.plain_greedy for s in seqs):
             return self.runner.launch_decode(seqs, previous, output_layers=layers)  # the argmax, from the graph
         pending = {id(s) for s in previous.seqs} if previous is not None else set()
+        return self.runner.launch_decode(seqs, previous, lambda logits: self._draw(seqs, logits, pending), layers)
 
-        def sample(logits: torch.Tensor) -> torch.Tensor:
-            cols, slots = self._batch_columns(seqs, logits.shape[-1], logits.device, pending)
-            history = self.history.rows(slots) if cols.needs_history else None
-            tokens = self.sampler.on_device(logits, cols, history)
-            if cols.needs_history:
-                self.history.record(slots, tokens)
-                for seq in seqs:
-                    seq.history_len += 1
-            return tokens
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None
+                ) -> tuple[list[int], list]:
+        """A host-path step's tokens: the graph's argmax when every row is plain greedy; the device-side draw
+        (cached columns, token history: no per-step lists) unless a row asks for logprobs; else from the rows'
+        own token lists."""
+        if argmax is not None and all(s.params.plain_greedy and not self._banned(s) for s in seqs):
+            return argmax.tolist(), [None] * len(seqs)
+        if all(s.params.logprobs is None for s in seqs):
+            return self._draw(seqs, logits, set()).tolist(), [None] * len(seqs)
+        return self.sampler(logits, [self._sample_row(s) for s in seqs], argmax)
 
-        return self.runner.launch_decode(seqs, previous, sample, layers)
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, pending: set[int]) -> torch.Tensor:
+        """Tokens drawn on the device, recorded into the token history when penalties need it. `pending`: the
+        sequences whose last token is still in flight."""
+        cols, slots = self._batch_columns(seqs, logits.shape[-1], logits.device, pending)
+        history = self.history.rows(slots) if cols.needs_history else None
+        tokens = self.sampler.on_device(logits, cols, history)
+        if cols.needs_history:
+            self.history.record(slots, tokens)
+            for seq in seqs:
+                seq.history_len += 1
+        return tokens
 
     def _batch_columns(self, seqs: list[Sequence], vocab: int, device: torch.device, pending: set[int]
                        ) -> tuple[SamplingColumns, torch.Tensor]:
@@ -308,7 +320,7 @@ class AREngine:
                 if seq.history_len != seq.num_output_tokens + (id(seq) in pending):
                     self.history.load(seq.history_slot, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids)
                     seq.history_len = seq.num_output_tokens
-        key = tuple((s.arrival, s.history_slot) for s in seqs)
+        key = tuple((s.arrival, s.history_slot, s.num_output_tokens < s.params.min_tokens) for s in seqs)
         if self._columns is None or self._columns[0] != key:
             cols = self.sampler.columns([self._sample_row(s) for s in seqs], vocab, device)
             slots = to_device(torch.tensor([s.history_slot or 0 for s in seqs]), device)
@@ -370,7 +382,8 @@ class AREngine:
             self._emit(seq, out, outputs)
         return outputs
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        """Ids the sequence may not draw now: its bad ids, and EOS / stop ids before min_tokens."""
         params = seq.params
         before_min = seq.num_output_tokens < params.min_tokens
         if seq.banned is None or seq.banned[0] != before_min:  # changes once, when min_tokens is reached
@@ -378,9 +391,11 @@ class AREngine:
             if before_min:
                 banned |= self.eos_token_ids | set(params.stop_token_ids)
             seq.banned = (before_min, tuple(sorted(banned)))
-        return SampleRow(
-            params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator, seq.banned[1]
-        )
+        return seq.banned[1]
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        return SampleRow(seq.params, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator,
+                         self._banned(seq))
 
     def _collect_hidden(self, seq: Sequence, out: StageOutput, hidden: dict[int, torch.Tensor],
                         span: tuple[int, int], start_pos: int) -> None:
