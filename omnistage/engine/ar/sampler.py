@@ -175,9 +175,9 @@ def _filter(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
 class TokenHistory:
     """Each decoding sequence's earlier tokens as device rows, for penalties without host lists: `seen`
     (prompt and output ids, for the repetition penalty) and `counts` (output ids, for frequency and
-    presence). A sequence holds a slot while it decodes on the device path; the sampled tokens are
-    recorded on the device as they are drawn, so a step launched before the host read the last one still
-    sees it."""
+    presence). A sequence holds a slot while it decodes; the sampled tokens are recorded on the device as they
+    are drawn, so a step launched before the host read the last one still sees it. Allocated on the first
+    penalised request: slots x vocab x 5 bytes (64 x 152k: 49 MB)."""
 
     def __init__(self, num_slots: int, vocab: int, device: torch.device):
         self.seen = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)

@@ -4,8 +4,11 @@ transformers' DiT recomputes in each of a solve's passes (10 time points, 9 RK4 
 encoder over the voice's reference mel, the code embeddings, every layer's time conditioning, the attention
 masks and the rotary tables. Here the speaker encoder runs once per voice, the time conditioning once per model
 (the time grid is fixed), codes, masks and rotary tables once per solve; a pass is only the layers' work on the
-noisy state, with query/key/value in one matmul. Same weights and arithmetic as transformers'
-`Qwen2_5OmniToken2WavDiTModel` up to float rounding (tests/families/qwen2_5_omni bound the difference).
+noisy state, with query/key/value in one matmul; each query block attends only to the key blocks it can
+reach (transformers scores every frame against every frame and masks most scores away), and each seam between
+sublayers (gated residual, norm, modulation) is one pass; on CUDA both are Triton kernels (omnistage/kernels).
+Same weights and arithmetic as transformers' `Qwen2_5OmniToken2WavDiTModel` up to float rounding
+(tests/families/qwen2_5_omni bound the difference).
 """
 
 from __future__ import annotations
