@@ -233,7 +233,7 @@ class Token2Wav:
                                     self.solver.speaker_features(v["ref_mel"].to(device, self.dit_dtype)))
                              for name, v in voices.items()}
         if device.type == "cuda":
-            fuse_activations(model.code2wav_bigvgan_model)  # one kernel per anti-aliased activation
+            fuse_activations(model.code2wav_bigvgan_model)  # two Triton kernels per anti-aliased activation
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared: graphs replay one at a time
         self.solve = BatchGraphs(self.solver.solve, max_batch, key_input=1, pool=pool,
