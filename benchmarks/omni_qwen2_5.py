@@ -22,7 +22,8 @@ each); `--backends process` puts each stage in its own process instead.
     python benchmarks/omni_qwen2_5.py --parts ours --backends inline,process    # both backends
     python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
 
-token2wav alone (window sizes, batches, DiT precision): benchmarks/token2wav_windows.py.
+token2wav alone (window sizes, batches, DiT precision): benchmarks/token2wav_windows.py; the talker alone:
+benchmarks/talker_steps.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,107 @@
+"""Qwen2.5-Omni's talker alone: milliseconds per decode step at a batch size, sampled steps in flight or not.
+
+The full pipeline's talker step time mixes the talker's own cost with the thinker and token2wav sharing the GPU
+and the Python threads; this runs only the talker engine (loaded through the family's normal loader from the
+checkpoint `omni_qwen2_5.py` writes), fed whole thinker replies of random states, with the released talker
+sampling (temperature 0.9, top-k 40, top-p 0.8, repetition penalty 1.05) kept on codec ids token2wav can embed.
+
+    python benchmarks/talker_steps.py --checkpoint /tmp/omni --batches 1,32 --out talker.jsonl   # GPU
+    python benchmarks/talker_steps.py --tiny --codes 40                                          # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from omnistage.config.deploy import load_deploy_config
+from omnistage.engine.types import StageInput
+from omnistage.families.registry import detect_family
+from omnistage.sampling_params import SamplingParams
+
+
+def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: SamplingParams) -> StageInput:
+    """A whole thinker reply as the thinker->talker edge hands it over: states for the prompt and reply rows."""
+    cfg = pipeline.config
+    width = cfg.thinker_config.text_config.hidden_size
+    rows = prompt_len + reply_len
+    tensors = {
+        "thinker_embed": torch.randn(rows, width) * 0.02, "thinker_last": torch.randn(rows, width) * 0.02,
+        "text_eos": torch.tensor(cfg.talker_config.tts_text_end_token_id),
+        "text_pad": torch.tensor(cfg.talker_config.tts_text_pad_token_id),
+        "prompt_ids": torch.arange(prompt_len) % 1000 + 100,
+        "voice_bos": torch.tensor(next(iter(pipeline.voice_bos.values()))),
+        "first_token": torch.tensor(101),
+    }
+    return StageInput(rid, [], params=params, tensors=tensors, final=True)
+
+
+def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record) -> None:
+    family, info = detect_family(path)
+    deploy = load_deploy_config({"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
+                                                       "overlap_sampled": overlap_sampled}}})
+    pipeline = family.pipeline(info, deploy)
+    engine = pipeline.build_engine("talker")
+    talker = pipeline.config.talker_config
+    limit = pipeline.config.token2wav_config.dit_config.num_embeds
+    banned = sorted({*range(limit, talker.vocab_size), talker.tts_codec_start_token_id})  # as the pipeline bans
+    params = SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
+                            ignore_eos=True, bad_token_ids=banned)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    try:
+        for wave in ("warm-up", "measured"):
+            for i in range(batch):
+                engine.add_request(talker_input(pipeline, f"{wave}-{i}", 156, 128, params))
+            while engine.stats()["num_running"] < batch or any(s.num_computed < s.num_prompt_tokens
+                                                               for s in engine.seqs.values()):
+                engine.step()  # prefills (and a first code each)
+            sync()
+            steps, start = 0, time.perf_counter()
+            while engine.has_work():
+                engine.step()
+                steps += 1
+            sync()
+            seconds = time.perf_counter() - start
+        record(part="talker_steps", batch=batch, codes=codes, overlap_sampled=overlap_sampled, steps=steps,
+               ms_per_step=round(1000 * seconds / max(steps, 1), 3), overlapped_steps=engine.num_overlapped_steps)
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--checkpoint", type=Path, help="a full-size checkpoint (benchmarks/omni_qwen2_5.py writes one)")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--codes", type=int, default=600)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    def record(**row) -> None:
+        row["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    if args.tiny:
+        from omnistage.testing import tiny_checkpoint
+
+        path = Path(tiny_checkpoint("qwen2_5_omni"))
+    else:
+        path = args.checkpoint
+        if path is None or not (path / "config.json").is_file():
+            from omni_qwen2_5 import write_full_checkpoint
+
+            path = write_full_checkpoint(path or Path("/tmp/omni"))
+    for batch in (int(b) for b in args.batches.split(",")):
+        for overlap_sampled in (False, True):
+            run(path, batch, args.codes, overlap_sampled, record)
+
+
+if __name__ == "__main__":
+    main()
