@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
-import json
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from recording import recorder
 
 from omnistage import AsyncOmni, SamplingParams
 from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
@@ -254,12 +254,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
 
-    def record(**row) -> None:
-        row["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    record = recorder(args.out)
 
     if args.tiny:
         from omnistage.testing import tiny_checkpoint

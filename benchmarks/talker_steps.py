@@ -12,11 +12,11 @@ sampling (temperature 0.9, top-k 40, top-p 0.8, repetition penalty 1.05) kept on
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
+from recording import recorder
 
 from omnistage.config.deploy import load_deploy_config
 from omnistage.engine.types import StageInput
@@ -81,12 +81,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
 
-    def record(**row) -> None:
-        row["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    record = recorder(args.out)
 
     if args.tiny:
         from omnistage.testing import tiny_checkpoint

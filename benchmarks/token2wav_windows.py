@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 
 import torch
+from recording import recorder
 
 from omnistage.engine.types import StageInput
 from omnistage.families.qwen2_5_omni import models
@@ -78,12 +78,7 @@ def main() -> None:
     model, voices = build(config, device)
     limit = config.dit_config.num_embeds - 1
 
-    def record(**row) -> None:
-        row["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    record = recorder(args.out)
 
     if args.profile:
         for name in args.dtypes.split(","):
