@@ -43,12 +43,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def penalised(self) -> bool:
+        """Whether a penalty needs the request's earlier tokens."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that needs the logits on the host: the argmax alone decides."""
-        return (
-            self.greedy and self.logprobs is None and not self.bad_token_ids and self.repetition_penalty == 1.0
-            and not self.frequency_penalty and not self.presence_penalty
-        )
+        return self.greedy and self.logprobs is None and not self.bad_token_ids and not self.penalised
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidParams:

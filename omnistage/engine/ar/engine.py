@@ -307,8 +307,7 @@ class AREngine:
                        ) -> tuple[SamplingColumns, torch.Tensor]:
         """The batch's sampling columns and history slots, rebuilt only when its members change; a member's
         history is (re)loaded from its token lists when it misses tokens (drawn on the host meanwhile)."""
-        if any(s.params.repetition_penalty != 1.0 or s.params.frequency_penalty or s.params.presence_penalty
-               for s in seqs):
+        if any(s.params.penalised for s in seqs):
             if self.history is None:
                 self.history = TokenHistory(self.config.max_num_seqs, vocab, device)
             for seq in seqs:
