@@ -26,6 +26,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
+    PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" keeps float32 exact, else "tf32"
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -61,7 +62,7 @@ def _paged_attention_kernel(
         slot = page.to(tl.int64) * PAGE + key_pos % PAGE  # int64: large caches overflow int32 offsets
         kv_off = slot[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
         k = tl.load(K + kv_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
         if window > 0:
             visible &= (q_pos[:, None] - key_pos[None, :]) < window
@@ -71,7 +72,7 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(V + kv_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows past the query length hold no keys
     o_ptrs = Out + (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -97,6 +98,9 @@ def paged_attention_triton(
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_n = max(page_size, 64 if max_query_len > 1 else 32)
     out = torch.empty_like(query)
+    # Triton's float32 dots default to TF32; a float32 model gets float32 attention unless torch's matmuls
+    # are allowed TF32 too.
+    exact = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     grid = (block_tables.shape[0], triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q,
@@ -105,5 +109,6 @@ def paged_attention_triton(
         block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        PRECISION="ieee" if exact else "tf32",
     )
     return out
