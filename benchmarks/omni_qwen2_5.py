@@ -37,6 +37,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -159,7 +160,7 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
          backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
-         overlap_decode: bool = True, overlap_sampled: bool = False) -> None:
+         overlap_decode: bool = True, overlap_sampled: bool = False, settings: dict[str, Any] | None = None) -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -174,6 +175,12 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     if stream_priority != "auto":
         for stage in deploy["stages"].values():
             stage["stream_priority"] = stream_priority
+    for key, value in (settings or {}).items():  # --set stages.token2wav.sm_count=100
+        *parents, leaf = key.split(".")
+        node = deploy
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
     if not torch.cuda.is_available():
         deploy.update(worker_backend="inline")
         for stage in deploy["stages"].values():
@@ -204,7 +211,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             audio = sum(r["audio"] for r in runs[0][0])
             record(part="omnistage", backend=deploy["worker_backend"], token2wav_dtype=token2wav_dtype, tf32=tf32,
                    stream_priority=stream_priority, overlap_decode=overlap_decode, overlap_sampled=overlap_sampled,
-                   concurrency=n, requests=len(runs[0][0]),
+                   settings=settings or {}, concurrency=n, requests=len(runs[0][0]),
                    prompt_tokens=results[0]["prompt"],
                    thinker_tokens=thinker_tokens, codes=codes,
                    ttfp_s_median=round(statistics.median(r["ttfp"] for r in results), 3),
@@ -251,6 +258,8 @@ def main() -> None:
     ap.add_argument("--wave-timeout", type=float, default=240.0, help="seconds before a wave counts as stuck")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--profile", type=Path, help="also write a torch profiler trace of one wave per concurrency here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a deploy-config setting (YAML value), e.g. stages.token2wav.sm_count=100; repeatable")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
 
@@ -272,7 +281,8 @@ def main() -> None:
                 ours(path, thinker_tokens, codes, concurrency, record, backend, args.wave_timeout,
                      token2wav_dtype=args.token2wav_dtype, tf32=args.tf32, stream_priority=args.stream_priority,
                      profile_dir=args.profile, overlap_decode=not args.no_overlap,
-                     overlap_sampled=args.overlap_sampled)
+                     overlap_sampled=args.overlap_sampled,
+                     settings={k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)})
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")

@@ -12,6 +12,8 @@ sampling (temperature 0.9, top-k 40, top-p 0.8, repetition penalty 1.05) kept on
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from pathlib import Path
 
@@ -40,7 +42,7 @@ def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: Sa
     return StageInput(rid, [], params=params, tensors=tensors, final=True)
 
 
-def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record) -> None:
+def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool = False) -> None:
     family, info = detect_family(path)
     deploy = load_deploy_config({"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
                                                        "overlap_sampled": overlap_sampled}}})
@@ -60,12 +62,19 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record) -> No
                                                                for s in engine.seqs.values()):
                 engine.step()  # prefills (and a first code each)
             sync()
+            profiler = cProfile.Profile() if host_profile and wave == "measured" else None
             steps, start = 0, time.perf_counter()
+            if profiler:
+                profiler.enable()
             while engine.has_work():
                 engine.step()
                 steps += 1
             sync()
             seconds = time.perf_counter() - start
+            if profiler:
+                profiler.disable()
+                print(f"== host profile, batch {batch}, overlap_sampled={overlap_sampled}", flush=True)
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         record(part="talker_steps", batch=batch, codes=codes, overlap_sampled=overlap_sampled, steps=steps,
                ms_per_step=round(1000 * seconds / max(steps, 1), 3), overlapped_steps=engine.num_overlapped_steps)
     finally:
@@ -79,6 +88,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--codes", type=int, default=600)
     ap.add_argument("--out")
+    ap.add_argument("--host-profile", action="store_true", help="also print cProfile's top functions per run")
     args = ap.parse_args()
 
     record = recorder(args.out)
@@ -95,7 +105,7 @@ def main() -> None:
             path = write_full_checkpoint(path or Path("/tmp/omni"))
     for batch in (int(b) for b in args.batches.split(",")):
         for overlap_sampled in (False, True):
-            run(path, batch, args.codes, overlap_sampled, record)
+            run(path, batch, args.codes, overlap_sampled, record, args.host_profile)
 
 
 if __name__ == "__main__":
