@@ -216,6 +216,8 @@ def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: Stage
 TOKEN2WAV_OPTIONS = {
     "window": "codes per streamed audio chunk; 0 decodes the whole utterance at the end",
     "first_window": "codes in the first chunk (smaller: audio starts sooner); default: 24, or window if smaller",
+    "max_window": "later windows double from window up to this many codes (less context recomputed per code, "
+                  "bigger chunks); default: window",
     "left": "codes of left context each window is decoded with; default: what the DiT attends back to",
     "right": "codes of look-ahead each window waits for; default: what the DiT attends ahead to",
     "vocoder_context": "mel frames of context on each side of a window for the vocoder",

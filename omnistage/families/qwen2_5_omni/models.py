@@ -23,7 +23,7 @@ import importlib.util
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +196,8 @@ class Token2Wav:
     """Codes -> 24 kHz waveform, seeded per request; the DiT in float32 unless asked otherwise.
 
     With `window` codes > 0, audio is decoded while codes still arrive (the first chunk may be smaller:
-    `first_window`, by default FIRST_WINDOW or `window` if smaller): each window is decoded with `left`
+    `first_window`, by default FIRST_WINDOW or `window` if smaller; later windows may double from `window` up to
+    `max_window`: fewer, longer windows recompute less context per code): each window is decoded with `left`
     codes of context before it and `right` after it, by default the blocks the DiT's block attention
     reaches; the vocoder gets `vocoder_context` mel frames on each side. Every window draws its starting
     noise from the same per-request noise the whole utterance would use; tests bound the streamed audio's
@@ -213,7 +214,8 @@ class Token2Wav:
 
     def __init__(self, model: nn.Module, voices: dict[str, dict[str, torch.Tensor]], device: torch.device,
                  window: int = 0, first_window: int | None = None, left: int | None = None,
-                 right: int | None = None, vocoder_context: int = 16, num_steps: int = 10,
+                 right: int | None = None, max_window: int | None = None, vocoder_context: int = 16,
+                 num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, use_graphs: bool = True,
                  max_batch: int = 16, tf32: bool = False):
         self.model, self.voices, self.device = model, voices, device
@@ -226,6 +228,7 @@ class Token2Wav:
         self.left = self.block * len(dit.look_backward_layers) if left is None else left
         self.right = self.block * len(dit.look_ahead_layers) if right is None else right
         self.window, self.first_window = window, first_window or min(window, self.FIRST_WINDOW)
+        self.max_window = max(window, max_window or window)
         self.vocoder_context = vocoder_context
         self.solver = DiTSolver(self.dit, num_steps, guidance_scale, sway_coefficient)
         with torch.inference_mode():  # per voice: its `cond` and its speaker-encoder features
@@ -261,18 +264,34 @@ class Token2Wav:
         """(codes solved, mel frames vocoded) of a request's first window and of its later full ones. Windows
         start on DiT blocks: with a left context that is not a whole number of blocks their lengths cycle
         (at most `block` windows long); with the defaults every later window has one shape."""
-        later = [self.first_window + k * self.window for k in range(self.block)]
-        probe = StageInput("shapes", [0] * (later[-1] + self.window + self.right), params={}, final=False)
+        starts, sizes = [0], self._window_sizes()
+        for _ in range(self.block + (self.max_window // self.window).bit_length()):  # growth, then a cycle
+            starts.append(starts[-1] + next(sizes))
+        probe = StageInput("shapes", [0] * (starts[-1] + self.max_window + self.right), params={}, final=False)
         shapes = set()
-        for done in [0, *later]:
+        for done in starts:
             probe.params["emitted"] = done
             plan = self._plan(probe)
             lo, hi = self._vocoder_span(done, plan)
             shapes.add((plan[2] - plan[0], hi - lo))
         return shapes
 
+    def _window_sizes(self) -> Iterator[int]:
+        """Codes per window, in order: the first, then `window` doubling up to `max_window`."""
+        yield self.first_window
+        size = self.window
+        while True:
+            yield size
+            size = min(2 * size, self.max_window)
+
     def _next_window(self, done: int) -> int:
-        return self.first_window if done == 0 else self.window
+        """The size of the window that starts after `done` codes (always a window boundary)."""
+        start = 0
+        for size in self._window_sizes():
+            if start >= done:
+                return size
+            start += size
+        raise AssertionError("unreachable")
 
     def ready(self, inp: StageInput) -> bool:
         done = inp.params.get("emitted", 0)

@@ -367,6 +367,14 @@ def test_token2wav_default_windows_follow_the_dit_blocks(tiny_qwen2_5_omni: str)
     streamed = np.concatenate(one_by_one)
     assert streamed.shape == whole.shape
     assert np.sqrt(np.mean((streamed - whole) ** 2) / np.mean(whole**2)) < 0.01
+    # Growing windows (12, then 12 doubling up to 24): the same bound, one chunk more.
+    growing = models.Token2Wav(model, voices, cpu, window=12, first_window=12, max_window=24)
+    chunks = stream(growing, 1)
+    assert [len(c) // samples_per_code for c in chunks] == [12, 12, 24, 12]
+    assert [len(c) for c in stream(growing, len(codes))] == [len(c) for c in chunks]
+    grown = np.concatenate(chunks)
+    assert grown.shape == whole.shape
+    assert np.sqrt(np.mean((grown - whole) ** 2) / np.mean(whole**2)) < 0.01
 
 
 def test_token2wav_dtype_sets_the_dit_precision_only(tiny_qwen2_5_omni: str) -> None:
@@ -427,6 +435,40 @@ def test_token2wav_graph_shapes_cover_streaming_windows(tiny_qwen2_5_omni: str) 
     assert [shape in captured for shape in zip(solved, vocoded, strict=True)] == [True, True, True, False]
     assert solved[-1] == 36  # the last window (60..84) with 12 codes of left context
     assert decoder.solve.batches == [1, 2, 4, 8, 16]  # max_batch 16: a batch of 13 replays 8 + 4 + 1
+
+
+@pytest.mark.parametrize("left", [12, 6], ids=["whole-blocks", "half-block"])
+def test_token2wav_graph_shapes_cover_growing_windows(tiny_qwen2_5_omni: str, left: int) -> None:
+    """With windows growing (12, then 12 doubling to 48) the captured shapes are exactly those of every
+    window a long streamed request solves but its last, also when the left context is not whole blocks
+    (window starts then cycle)."""
+    from pathlib import Path
+
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.engine.types import StageInput
+    from omnistage.families.qwen2_5_omni import models
+
+    path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    decoder = models.Token2Wav(models.load_token2wav(path, config, cpu), models.load_voices(path), cpu,
+                               window=12, first_window=12, max_window=48, left=left, num_steps=2)
+    shapes: list[tuple[int, int]] = []
+    solve, vocode = decoder.solve.fn, decoder.vocode.fn
+    decoder.solve.fn = lambda *inputs: shapes.append((inputs[1].shape[1], 0)) or solve(*inputs)
+    decoder.vocode.fn = lambda mel: shapes.__setitem__(-1, (shapes[-1][0], mel.shape[-1])) or vocode(mel)
+    total = 12 + 12 + 24 + 48 * 6 + 20  # the last window longer than the look-ahead: only it is cut short
+    inp = StageInput("r", [0] * total, params={"voice": VOICE, "seed": 0}, final=True)
+    sizes = []
+    while True:
+        before = inp.params.get("emitted", 0)
+        ((_, finished),) = decoder.generate([inp])
+        sizes.append(inp.params["emitted"] - before)
+        if finished:
+            break
+    assert sizes == [12, 12, 24, *[48] * 6, 20]
+    assert set(shapes[:-1]) == decoder.window_shapes()
+    assert shapes[-1] not in decoder.window_shapes()
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
