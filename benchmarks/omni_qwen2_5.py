@@ -175,7 +175,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     if stream_priority != "auto":
         for stage in deploy["stages"].values():
             stage["stream_priority"] = stream_priority
-    for key, value in (settings or {}).items():  # --set stages.token2wav.sm_count=100
+    for key, value in (settings or {}).items():  # --set stages.token2wav.options.max_window=96
         *parents, leaf = key.split(".")
         node = deploy
         for name in parents:
@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--profile", type=Path, help="also write a torch profiler trace of one wave per concurrency here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a deploy-config setting (YAML value), e.g. stages.token2wav.sm_count=100; repeatable")
+                    help="a deploy-config setting (YAML value), e.g. stages.token2wav.options.max_window=96; repeatable")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
 

@@ -254,7 +254,7 @@ class Qwen25OmniFamily:
             "stages": {
                 "thinker": {"gpu_memory_utilization": 0.55},
                 "talker": {"gpu_memory_utilization": 0.25, "default_sampling_params": talker},
-                "token2wav": {"max_num_seqs": 32, "options": {"window": 48}},
+                "token2wav": {"max_num_seqs": 32, "options": {"window": 48, "max_window": 96}},
             },
         }
 

@@ -17,21 +17,25 @@ pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchv
 def test_defaults_stream_speech_from_stages_sharing_one_device(tiny_qwen2_5_omni: str) -> None:
     deploy = build_pipeline(tiny_qwen2_5_omni).deploy
     assert deploy.worker_backend == "inline" and deploy.async_chunk
-    assert deploy.stage("token2wav").options == {"window": 48} and deploy.stage("token2wav").max_num_seqs == 32
+    assert deploy.stage("token2wav").options == {"window": 48, "max_window": 96}
+    assert deploy.stage("token2wav").max_num_seqs == 32
     shares = {name: deploy.stage(name).gpu_memory_utilization for name in ("thinker", "talker")}
     assert shares == {"thinker": 0.55, "talker": 0.25}
     assert deploy.stage("talker").default_sampling_params["top_k"] == 40
 
     shipped = yaml.safe_load((Path(__file__).parents[3] / "configs" / "qwen2_5_omni" / "1gpu.yaml").read_text())
     assert shipped["worker_backend"] == deploy.worker_backend and shipped["async_chunk"] == deploy.async_chunk
-    assert shipped["stages"]["token2wav"]["options"]["window"] == 48
+    assert {k: shipped["stages"]["token2wav"]["options"][k] for k in ("window", "max_window")} == {
+        "window": 48, "max_window": 96}
 
 
 def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) -> None:
-    """Setting only `window` keeps the first chunk at its own default (24 codes, or the window if smaller)."""
+    """Setting only `window` keeps the other defaults (`max_window`; below `window` it is no limit) and the
+    first chunk at its own default (24 codes, or the window if smaller)."""
     deploy = build_pipeline(tiny_qwen2_5_omni, {"worker_backend": "process",
                                                 "stages": {"token2wav": {"options": {"window": 96}}}}).deploy
-    assert deploy.worker_backend == "process" and deploy.stage("token2wav").options == {"window": 96}
+    assert deploy.worker_backend == "process"
+    assert deploy.stage("token2wav").options == {"window": 96, "max_window": 96}
     from transformers import Qwen2_5OmniConfig
 
     path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
@@ -39,3 +43,5 @@ def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) 
     first = {window: models.Token2Wav(model, models.load_voices(path), cpu, window=window).first_window
              for window in (96, 8, 0)}
     assert first == {96: 24, 8: 8, 0: 0}
+    wide = models.Token2Wav(model, models.load_voices(path), cpu, window=192, max_window=96)
+    assert [wide._next_window(done) for done in (0, 24, 216)] == [24, 192, 192]
