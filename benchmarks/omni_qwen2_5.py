@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--profile", type=Path, help="also write a torch profiler trace of one wave per concurrency here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a deploy-config setting (YAML value), e.g. stages.token2wav.options.max_window=96; repeatable")
+                    help="a deploy-config setting (YAML value), e.g. stages.token2wav.dtype=bfloat16; repeatable")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
 
