@@ -213,26 +213,33 @@ def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: Stage
     return StageInput(out.request_id, codes, params=params, final=out.finished)
 
 
-TOKEN2WAV_OPTIONS = {
-    "window": "codes per streamed audio chunk; 0 decodes the whole utterance at the end",
-    "first_window": "codes in the first chunk (smaller: audio starts sooner); default: 24, or window if smaller",
-    "max_window": "later windows double from window up to this many codes (less context recomputed per code, "
-                  "bigger chunks); default: window",
-    "left": "codes of left context each window is decoded with; default: what the DiT attends back to",
-    "right": "codes of look-ahead each window waits for; default: what the DiT attends ahead to",
-    "vocoder_context": "mel frames of context on each side of a window for the vocoder",
-    "num_steps": "flow-matching ODE steps",
-    "tf32": "true: the float32 DiT's matmuls run on TensorFloat-32 tensor cores (faster, slightly less exact)",
+TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolean)
+    "window": ("codes per streamed audio chunk; 0 decodes the whole utterance at the end", 0),
+    "first_window": ("codes in the first chunk (smaller: audio starts sooner); default: 24, or window if smaller", 1),
+    "max_window": ("later windows double from window up to this many codes (less context recomputed per code, "
+                   "bigger chunks); default: window", 1),
+    "left": ("codes of left context each window is decoded with; default: what the DiT attends back to", 0),
+    "right": ("codes of look-ahead each window waits for; default: what the DiT attends ahead to", 0),
+    "vocoder_context": ("mel frames of context on each side of a window for the vocoder", 0),
+    "num_steps": ("flow-matching ODE steps", 2),
+    "tf32": ("true: the float32 DiT's matmuls run on TensorFloat-32 tensor cores (faster, slightly less exact)",
+             None),
 }
 
 
 def token2wav_options(options: dict[str, Any]) -> dict[str, Any]:
-    for key in options:
+    """The deploy config's token2wav options, checked: known names, integers in range, booleans."""
+    for key, value in options.items():
+        where = f"stages.token2wav.options.{key}"
         if key not in TOKEN2WAV_OPTIONS:
             close = difflib.get_close_matches(key, list(TOKEN2WAV_OPTIONS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"stages.token2wav.options.{key}: unknown option{hint} "
-                              f"(valid: {', '.join(TOKEN2WAV_OPTIONS)})")
+            raise ConfigError(f"{where}: unknown option{hint} (valid: {', '.join(TOKEN2WAV_OPTIONS)})")
+        what, least = TOKEN2WAV_OPTIONS[key]
+        if least is None and not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r} ({what})")
+        if least is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ConfigError(f"{where}: expected an integer >= {least}, got {value!r} ({what})")
     return dict(options)
 
 

@@ -45,3 +45,19 @@ def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) 
     assert first == {96: 24, 8: 8, 0: 0}
     wide = models.Token2Wav(model, models.load_voices(path), cpu, window=192, max_window=96)
     assert [wide._next_window(done) for done in (0, 24, 216)] == [24, 192, 192]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"windw": 48}, "stages.token2wav.options.windw: unknown option; did you mean 'window'?"),
+    ({"window": -48}, "stages.token2wav.options.window: expected an integer >= 0, got -48"),
+    ({"max_window": "96"}, "stages.token2wav.options.max_window: expected an integer >= 1, got '96'"),
+    ({"num_steps": 1}, "stages.token2wav.options.num_steps: expected an integer >= 2, got 1"),
+    ({"tf32": "yes"}, "stages.token2wav.options.tf32: expected true or false, got 'yes'"),
+])
+def test_bad_token2wav_options_fail_at_start_up_naming_the_field(tiny_qwen2_5_omni: str, options: dict,
+                                                                 message: str) -> None:
+    from omnistage.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        build_pipeline(tiny_qwen2_5_omni, {"stages": {"token2wav": {"options": options}}})
+    assert message in str(error.value)
