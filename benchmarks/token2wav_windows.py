@@ -168,7 +168,8 @@ def solve_seconds(decoder: models.Token2Wav, codes: int, batch: int, limit: int)
     ids = torch.tensor([[(5 * j) % limit for j in range(codes)]] * batch, device=decoder.device)
     noise = torch.randn(batch, codes * decoder.dit.repeats, decoder.dit.mel_dim, device=decoder.device,
                         dtype=decoder.dit_dtype)
-    inputs = (noise, ids, speaker.expand(batch, -1), features.expand(batch, -1, -1))
+    frames = torch.full((batch,), noise.shape[1], device=decoder.device)
+    inputs = (noise, ids, speaker.expand(batch, -1), features.expand(batch, -1, -1), frames)
     with torch.inference_mode():
         decoder.solve(*inputs)
         if decoder.device.type == "cuda":

@@ -20,21 +20,31 @@ except ImportError:  # Triton is needed only on CUDA
     triton = None
 
 
-def block_window_mask(frames: int, block: int, back: int, ahead: int, device: torch.device) -> torch.Tensor | None:
-    """[blocks, 1, 1, window] bool: which keys of each query block's window (`back` blocks before it to `ahead`
-    after it) are real frames; None when all are."""
+def block_window_mask(frames: int, block: int, back: int, ahead: int, device: torch.device,
+                      lengths: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Which keys of each query block's window (`back` blocks before it to `ahead` after it) are real frames:
+    [blocks, 1, 1, window] bool, or None when all are. With `lengths` ([B] real frames per sequence, the rest
+    padding): [B x blocks, 1, 1, window]; a query block whose window holds no real frame (padding only) keeps
+    its padding keys, so no row's softmax is empty (some backends make an empty one NaN, and NaN times a zero
+    weight still reaches the real rows)."""
     blocks = -(-frames // block)
-    if back == ahead == 0 and frames % block == 0:
+    if lengths is None and back == ahead == 0 and frames % block == 0:
         return None
     offsets = torch.arange((back + 1 + ahead) * block, device=device)
     start = (torch.arange(blocks, device=device) - back) * block
     position = start[:, None] + offsets[None, :]
-    return ((position >= 0) & (position < frames))[:, None, None, :]
+    inside = (position >= 0) & (position < frames)
+    if lengths is None:
+        return inside[:, None, None, :]
+    real = inside & (position < lengths.to(device)[:, None, None])  # [B, blocks, window]
+    real |= inside & ~real.any(-1, keepdim=True)
+    return real.flatten(0, 1)[:, None, None, :]
 
 
 def block_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, back: int, ahead: int,
                          mask: torch.Tensor | None) -> torch.Tensor:
-    """[B, frames, heads, dim] q, k, v -> [B, frames, heads, dim]; `mask` from block_window_mask."""
+    """[B, frames, heads, dim] q, k, v -> [B, frames, heads, dim]; `mask` from block_window_mask (one for
+    every sequence, or one per sequence)."""
     batch, frames, heads, dim = q.shape
     blocks = -(-frames // block)
     pad = blocks * block - frames
@@ -50,7 +60,7 @@ def block_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
         return x.flatten(0, 1).transpose(1, 2)
 
     queries = blocked(q).flatten(0, 1).transpose(1, 2)
-    if mask is not None:
+    if mask is not None and mask.shape[0] == blocks:
         mask = mask.repeat(batch, 1, 1, 1)
     out = F.scaled_dot_product_attention(queries, windows(k), windows(v), attn_mask=mask)
     return out.transpose(1, 2).reshape(batch, blocks * block, heads, dim)[:, :frames]
@@ -61,11 +71,13 @@ def fused_available(qkv: torch.Tensor) -> bool:
     return triton is not None and qkv.is_cuda and dim >= 16 and dim & (dim - 1) == 0
 
 
-def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: torch.Tensor | None = None
-                    ) -> torch.Tensor:
-    """qkv [B, frames, 3, heads, dim] (a fused projection's output, viewed) -> [B, frames, heads, dim]. `mask`
-    (block_window_mask) is used by the torch path only. The Triton kernel multiplies float32 on TF32 tensor
-    cores when torch's matmuls do (torch.backends.cuda.matmul.allow_tf32), else in full float32."""
+def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: torch.Tensor | None = None,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [B, frames, 3, heads, dim] (a fused projection's output, viewed) -> [B, frames, heads, dim].
+    `lengths` ([B], optional): real frames per sequence; keys past them are padding no query sees (padding
+    queries get zeros or padding). `mask` (block_window_mask, with the same `lengths`) is used by the torch
+    path only. The Triton kernel multiplies float32 on TF32 tensor cores when torch's matmuls do
+    (torch.backends.cuda.matmul.allow_tf32), else in full float32."""
     if not fused_available(qkv):
         return block_attention_sdpa(*qkv.unbind(2), block, back, ahead, mask)
     batch, frames, _, heads, dim = qkv.shape
@@ -75,9 +87,9 @@ def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: 
     blocks = -(-frames // block)
     exact = qkv.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     _block_attention_kernel[(batch * blocks, heads)](
-        qkv, out, frames, blocks, *qkv.stride()[:4], *out.stride()[:3], dim ** -0.5,
-        BLOCK=block, PAD=max(16, triton.next_power_of_2(block)), DIM=dim, BACK=back, AHEAD=ahead,
-        PRECISION="ieee" if exact else "tf32",
+        qkv, out, out if lengths is None else lengths, frames, blocks, *qkv.stride()[:4], *out.stride()[:3],
+        dim ** -0.5, BLOCK=block, PAD=max(16, triton.next_power_of_2(block)), DIM=dim, BACK=back, AHEAD=ahead,
+        PRECISION="ieee" if exact else "tf32", HAS_LENGTHS=lengths is not None,
     )
     return out
 
@@ -85,9 +97,10 @@ def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: 
 if triton is not None:
 
     @triton.jit
-    def _block_attention_kernel(QKV, OUT, frames, blocks, s_batch, s_frame, s_part, s_head, o_batch, o_frame, o_head,
-                                scale, BLOCK: tl.constexpr, PAD: tl.constexpr, DIM: tl.constexpr,
-                                BACK: tl.constexpr, AHEAD: tl.constexpr, PRECISION: tl.constexpr):
+    def _block_attention_kernel(QKV, OUT, LENGTHS, frames, blocks, s_batch, s_frame, s_part, s_head, o_batch,
+                                o_frame, o_head, scale, BLOCK: tl.constexpr, PAD: tl.constexpr, DIM: tl.constexpr,
+                                BACK: tl.constexpr, AHEAD: tl.constexpr, PRECISION: tl.constexpr,
+                                HAS_LENGTHS: tl.constexpr):
         """One (sequence, query block, head): online softmax over the window's key blocks, one at a time."""
         seq = tl.program_id(0) // blocks
         i = tl.program_id(0) % blocks
@@ -98,12 +111,15 @@ if triton is not None:
         q_pos = i * BLOCK + rows
         q_ok = (rows < BLOCK) & (q_pos < frames)
         q = tl.load(base + q_pos[:, None] * s_frame + cols[None, :], mask=q_ok[:, None], other=0.0)
+        real = frames
+        if HAS_LENGTHS:
+            real = tl.load(LENGTHS + seq).to(tl.int32)  # keys past it are padding
         best = tl.full([PAD], float("-inf"), tl.float32)
         total = tl.zeros([PAD], tl.float32)
         acc = tl.zeros([PAD, DIM], tl.float32)
         for j in tl.static_range(BACK + 1 + AHEAD):
             k_pos = (i - BACK + j) * BLOCK + rows
-            k_ok = (rows < BLOCK) & (k_pos >= 0) & (k_pos < frames)
+            k_ok = (rows < BLOCK) & (k_pos >= 0) & (k_pos < real)
             offsets = k_pos[:, None] * s_frame + cols[None, :]
             k = tl.load(base + s_part + offsets, mask=k_ok[:, None], other=0.0)
             v = tl.load(base + 2 * s_part + offsets, mask=k_ok[:, None], other=0.0)
@@ -116,6 +132,6 @@ if triton is not None:
             total = total * keep + tl.sum(p, axis=1)
             acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             best = new_best
-        out = acc / total[:, None]
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding block with no real key in reach: zeros
         o = OUT + seq.to(tl.int64) * o_batch + head * o_head
         tl.store(o + q_pos[:, None] * o_frame + cols[None, :], out.to(OUT.dtype.element_ty), mask=q_ok[:, None])

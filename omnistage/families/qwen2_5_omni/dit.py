@@ -83,19 +83,24 @@ class DiTSolver:
         encoder = self.dit.input_embed.spk_encoder
         return torch.stack([encoder(ref_mel), encoder(torch.zeros_like(ref_mel))], dim=1)
 
-    def solve(self, noise: torch.Tensor, codes: torch.Tensor, speaker: torch.Tensor, features: torch.Tensor
-              ) -> torch.Tensor:
+    def solve(self, noise: torch.Tensor, codes: torch.Tensor, speaker: torch.Tensor, features: torch.Tensor,
+              lengths: torch.Tensor | None = None) -> torch.Tensor:
         """noise [B, frames, mel], codes [B, frames / repeats], speaker (the voice's `cond`) [B, enc_emb],
-        features (speaker_features) [B, 2, enc_dim] -> mel [B, mel, frames]. No host syncs: capturable."""
+        features (speaker_features) [B, 2, enc_dim] -> mel [B, mel, frames]. `lengths` [B]: real frames per
+        window, the rest padding (windows of different lengths in one solve, or one graph's shape): attention
+        never reads padding and everything else is per frame, so real frames come out as if solved alone. No
+        host syncs: capturable."""
         batch, frames, _ = noise.shape
         fixed = self._fixed_inputs(codes, speaker, features, frames)
         cos, sin = self.dit.rotary_embed(noise, torch.arange(frames, device=noise.device)[None])
         rotary = cos.view(1, frames, 1, self.head_dim), sin.view(1, frames, 1, self.head_dim)
-        masks = self._masks(frames, noise.device)
+        if lengths is not None:
+            lengths = torch.cat([lengths, lengths])  # the guided rows, then the unguided ones
+        masks = self._masks(frames, noise.device, lengths)
         points = iter(range(len(self.steps) * 4))
 
         def velocity(state: torch.Tensor) -> torch.Tensor:
-            out = self._forward(state, fixed, next(points), rotary, masks)
+            out = self._forward(state, fixed, next(points), rotary, masks, lengths)
             guided, null = out.chunk(2)
             return guided + (guided - null) * self.guidance_scale
 
@@ -120,14 +125,16 @@ class DiTSolver:
                           speaker_rows[:, None].expand(-1, frames, -1)], dim=-1)
         return F.linear(rows, self.in_fixed, self.in_bias).flatten(0, 1)
 
-    def _masks(self, frames: int, device: torch.device) -> dict[tuple[int, int], torch.Tensor | None]:
+    def _masks(self, frames: int, device: torch.device, lengths: torch.Tensor | None
+               ) -> dict[tuple[int, int], torch.Tensor | None]:
         """Per reach, which keys of each query block's window are real frames (for the torch path of
         block_attention)."""
-        return {reach: block_window_mask(frames, self.block_size, *reach, device) for reach in set(self.reach)}
+        return {reach: block_window_mask(frames, self.block_size, *reach, device, lengths)
+                for reach in set(self.reach)}
 
     def _forward(self, state: torch.Tensor, fixed: torch.Tensor, point: int,
-                 rotary: tuple[torch.Tensor, torch.Tensor], masks: dict[tuple[int, int], torch.Tensor | None]
-                 ) -> torch.Tensor:
+                 rotary: tuple[torch.Tensor, torch.Tensor], masks: dict[tuple[int, int], torch.Tensor | None],
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
         """One DiT pass over [guided; unguided] copies of the state at evaluation point `point`. Each seam
         between sublayers (gated residual, then the next norm and its modulation) is one fused pass."""
         batch, frames, _ = state.shape
@@ -144,7 +151,7 @@ class DiTSolver:
             half = head_dim // 2
             turned = torch.cat([-rotated[..., half:], rotated[..., :half]], dim=-1)
             rotated.copy_(rotated * cos + turned * sin)
-            attn = block_attention(qkv, self.block_size, *reach, masks[reach])
+            attn = block_attention(qkv, self.block_size, *reach, masks[reach], lengths)
             attn = F.linear(attn.reshape(rows, width), blk.attn.to_out[0].weight, blk.attn.to_out[0].bias)
             h, x = residual_norm_modulate(h, attn, gate_a, shift_f, scale_f, 1e-6)
             up, down = blk.ff.ff[0], blk.ff.ff[3]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from transformers.initialization import no_init_weights
@@ -205,7 +206,8 @@ class Token2Wav:
 
     Same-length windows of different requests share one flow-matching solve and one vocoder pass. On CUDA
     both are captured as graphs at start-up for the first- and middle-window shapes (batches of 1, 2, 4, ...
-    up to `max_batch`, see BatchGraphs); a request's last, shorter window runs eagerly.
+    up to `max_batch`, see BatchGraphs); a shorter window (a request's last) is solved padded to the next
+    captured length (the solve never lets real frames see padding), and only its vocoder pass runs eagerly.
     `tf32`: the DiT's float32 matmuls on TensorFloat-32 tensor cores (faster, a little less exact).
     """
 
@@ -242,6 +244,7 @@ class Token2Wav:
         self.solve = BatchGraphs(self.solver.solve, max_batch, key_input=1, pool=pool,
                                  context=tf32_matmuls if tf32 else contextlib.nullcontext)
         self.vocode = BatchGraphs(self._vocode, max_batch, pool=pool)
+        self.solve_lengths: list[int] = []  # codes per window the solve has graphs for (warm_up)
 
     def warm_up(self) -> None:
         """Capture the solve and vocoder graphs (no-op without graphs): seconds at start-up, none while serving."""
@@ -252,9 +255,11 @@ class Token2Wav:
         shapes = self.window_shapes()
         with torch.inference_mode():
             for codes in {codes for codes, _ in shapes}:
-                self.solve.capture(torch.zeros(1, codes * self.dit.repeats, self.dit.mel_dim, device=self.device,
-                                               dtype=self.dit_dtype),
-                                   torch.zeros(1, codes, dtype=torch.long, device=self.device), speaker, features)
+                frames = codes * self.dit.repeats
+                noise = torch.zeros(1, frames, self.dit.mel_dim, device=self.device, dtype=self.dit_dtype)
+                if self.solve.capture(noise, torch.zeros(1, codes, dtype=torch.long, device=self.device), speaker,
+                                      features, torch.full((1,), frames, device=self.device)):
+                    self.solve_lengths = sorted([*self.solve_lengths, codes])
             for frames in {frames for _, frames in shapes}:
                 self.vocode.capture(torch.zeros(1, self.dit.mel_dim, frames, device=self.device))
         logger.info("token2wav: captured %d solve and %d vocoder graphs in %.1fs", len(self.solve.graphs),
@@ -302,8 +307,9 @@ class Token2Wav:
         """One flow-matching solve per group of same-length windows and one vocoder pass per group of
         same-length mel spans: both batch, and at small batches cost about as much as one."""
         plans = {i: plan for i, inp in enumerate(inputs) if (plan := self._plan(inp)) is not None}
-        mels = self._grouped(plans, lambda i: plans[i][2] - plans[i][0],
-                             lambda members: self._mels([inputs[i] for i in members], [plans[i] for i in members]))
+        lengths = {i: self._solve_length(end - start) for i, (start, _, end) in plans.items()}
+        mels = self._grouped(plans, lambda i: lengths[i], lambda members: self._mels(
+            [inputs[i] for i in members], [plans[i] for i in members], lengths[members[0]]))
         r = self.dit.repeats
         spans = {i: self._vocoder_span(inputs[i].params.get("emitted", 0), plan) for i, plan in plans.items()}
         waves = self._grouped(plans, lambda i: spans[i][1] - spans[i][0], lambda members: self.vocode(torch.cat([
@@ -356,16 +362,25 @@ class Token2Wav:
         (start, keep_end, end), r = plan, self.dit.repeats
         return max(done * r - self.vocoder_context, start * r), min(keep_end * r + self.vocoder_context, end * r)
 
-    def _mels(self, inputs: list[StageInput], plans: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    def _solve_length(self, codes: int) -> int:
+        """The window length a solve of `codes` codes runs at: the shortest with a graph that fits, else its own."""
+        return next((n for n in self.solve_lengths if n >= codes), codes)
+
+    def _mels(self, inputs: list[StageInput], plans: list[tuple[int, int, int]], length: int) -> list[torch.Tensor]:
+        """Mel frames of each window, solved together at `length` codes (shorter windows padded)."""
         r, dtype = self.dit.repeats, self.dit_dtype
-        noise = torch.stack([self._noise(inp, end * r)[start * r :] for inp, (start, _, end) in zip(
-            inputs, plans, strict=True)]).to(self.device, dtype)
-        codes = torch.tensor([inp.token_ids[start:end] for inp, (start, _, end) in zip(inputs, plans, strict=True)],
-                             device=self.device)
+        noise, codes, frames = [], [], []
+        for inp, (start, _, end) in zip(inputs, plans, strict=True):
+            pad = length - (end - start)
+            noise.append(F.pad(self._noise(inp, end * r)[start * r :], (0, 0, 0, pad * r)))
+            codes.append(inp.token_ids[start:end] + [0] * pad)
+            frames.append((end - start) * r)
         speakers = [self.speakers[inp.params["voice"]] for inp in inputs]
         speaker = torch.cat([s for s, _ in speakers])
         features = torch.cat([f for _, f in speakers])
-        return list(self.solve(noise, codes, speaker, features).float().split(1))
+        mels = self.solve(torch.stack(noise).to(self.device, dtype), torch.tensor(codes, device=self.device),
+                          speaker, features, torch.tensor(frames, device=self.device))
+        return [mel[None, :, :n] for mel, n in zip(mels.float(), frames, strict=True)]
 
     def _vocode(self, mel: torch.Tensor) -> torch.Tensor:
         """BigVGAN over [B, mel, frames] -> [B, samples]: transformers' forward without its final squeeze and

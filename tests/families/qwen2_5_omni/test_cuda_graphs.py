@@ -79,6 +79,7 @@ def test_token2wav_graph_replays_equal_eager_solves(tiny_qwen2_5_omni: str) -> N
     # through 20, 28 and 24 codes (with their 4 of look-ahead)
     assert {codes for codes, _ in shapes} == {8 + 4, 20, 24, 28}
     assert set(graphs.solve.graphs) == {(b, codes) for b in (1, 2, 4) for codes, _ in shapes}
+    assert graphs.solve_lengths == sorted({codes for codes, _ in shapes})  # shorter last windows join these
     assert set(graphs.vocode.graphs) == {(b, frames) for b in (1, 2, 4) for _, frames in shapes}
     for voice, codes in requests:
         expected, got = stream(eager, voice, codes), stream(graphs, voice, codes)

@@ -50,3 +50,26 @@ def test_triton_kernel_equals_masked_dense_attention(monkeypatch, frames: int, r
 def test_whole_blocks_within_reach_need_no_mask() -> None:
     assert kernels.block_window_mask(48, 24, 0, 0, torch.device("cpu")) is None
     assert kernels.block_window_mask(50, 24, 0, 0, torch.device("cpu")) is not None  # the last block is partial
+
+
+@pytest.mark.parametrize("path", ["sdpa", "triton"])
+@pytest.mark.parametrize("reach", [(0, 0), (2, 1)])
+def test_padding_past_each_sequences_length_changes_nothing_before_it(monkeypatch, path: str,
+                                                                      reach: tuple[int, int]) -> None:
+    """Sequences of 50 and 7 real frames padded to 96 (padding filled with large values): their real rows equal
+    the unpadded attention's, and no row is NaN (padding blocks beyond every real key included)."""
+    if path == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(kernels, "fused_available", lambda qkv: True)
+    torch.manual_seed(0)
+    lengths = [50, 7]
+    qkv = torch.full((2, 96, 3, 2, 16), 1e3, device=DEVICE)
+    for row, n in enumerate(lengths):
+        qkv[row, :n] = torch.randn(n, 3, 2, 16, device=DEVICE)
+    real = torch.tensor(lengths, device=DEVICE)
+    mask = kernels.block_window_mask(96, 24, *reach, DEVICE, real)
+    got = kernels.block_attention(qkv, 24, *reach, mask, real)
+    assert not got.isnan().any()
+    for row, n in enumerate(lengths):
+        alone = dense_reference(*qkv[row : row + 1, :n].unbind(2), 24, *reach)
+        torch.testing.assert_close(got[row : row + 1, :n], alone, rtol=1e-5, atol=1e-5)

@@ -503,3 +503,81 @@ def test_dit_solver_equals_transformers_sample(tiny_qwen2_5_omni: str, dtype: to
     assert got.shape == expected.shape == (2, dit.mel_dim, 60)
     rel = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
     assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def test_a_padded_solve_equals_solving_each_window_alone(tiny_qwen2_5_omni: str, device: str) -> None:
+    """Windows of 30 and 17 codes solved in one batch padded to 48 codes (as a shorter window joins a captured
+    graph's shape): each one's mel frames equal its own unpadded solve."""
+    from pathlib import Path
+
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.families.qwen2_5_omni import models
+    from omnistage.families.qwen2_5_omni.dit import DiTSolver
+
+    path, dev = Path(tiny_qwen2_5_omni), torch.device(device)
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    dit = models.load_token2wav(path, config, dev).code2wav_dit_model
+    voices = models.load_voices(path)
+    solver = DiTSolver(dit, num_steps=4, guidance_scale=0.5, sway=-1.0)
+    generator = torch.Generator().manual_seed(5)
+    lengths, padded, r = [30, 17], 48, dit.repeats
+    codes = torch.randint(0, config.dit_config.num_embeds - 1, (2, padded), generator=generator).to(dev)
+    noise = torch.randn(2, padded * r, dit.mel_dim, generator=generator).to(dev)
+    with torch.inference_mode():
+        features = {v: solver.speaker_features(voices[v]["ref_mel"].to(dev)) for v in ("Ethan", "Chelsie")}
+        cond = {v: voices[v]["cond"].to(dev) for v in features}
+        together = solver.solve(noise, codes, torch.cat([cond["Ethan"], cond["Chelsie"]]),
+                                torch.cat([features["Ethan"], features["Chelsie"]]),
+                                torch.tensor([n * r for n in lengths], device=dev))
+        for row, (voice, n) in enumerate(zip(("Ethan", "Chelsie"), lengths, strict=True)):
+            alone = solver.solve(noise[row : row + 1, : n * r], codes[row : row + 1, :n], cond[voice],
+                                 features[voice])
+            torch.testing.assert_close(together[row : row + 1, :, : n * r], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_short_windows_join_a_captured_length_without_changing_the_audio(tiny_qwen2_5_omni: str) -> None:
+    """With graphs (here: their lengths set by hand, the solves eager on the CPU) a window shorter than a
+    captured length is solved padded to it, with others of that length: two requests whose last windows differ
+    in length share one solve, and the audio equals the decoder that solves every length on its own."""
+    from pathlib import Path
+
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.engine.types import StageInput
+    from omnistage.families.qwen2_5_omni import models
+
+    path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    model, voices = models.load_token2wav(path, config, cpu), models.load_voices(path)
+    generator = torch.Generator().manual_seed(1)
+    codes = [torch.randint(0, config.dit_config.num_embeds - 1, (n,), generator=generator).tolist() for n in (41, 45)]
+
+    def decode(decoder: models.Token2Wav) -> tuple[list[np.ndarray], list[int]]:
+        solved: list[int] = []
+        solve = decoder.solve.fn
+        decoder.solve.fn = lambda *inputs: solved.append(inputs[1].shape[0]) or solve(*inputs)
+        inputs = [StageInput(f"r{i}", c, params={"voice": v, "seed": i}, final=True)
+                  for i, (c, v) in enumerate(zip(codes, ("Ethan", "Chelsie"), strict=True))]
+        audio: list[list[np.ndarray]] = [[], []]
+        pending = set(range(len(inputs)))
+        while pending:
+            for i, (tensors, finished) in zip(sorted(pending), decoder.generate([inputs[i] for i in sorted(pending)]),
+                                              strict=True):
+                audio[i].append(tensors["audio"].numpy())
+                if finished:
+                    pending.discard(i)
+        return [np.concatenate(a) for a in audio], solved
+
+    def decoder() -> models.Token2Wav:
+        return models.Token2Wav(model, voices, cpu, window=12, first_window=12, max_window=24, num_steps=3)
+
+    alone, solves_alone = decode(decoder())
+    padded = decoder()
+    padded.solve_lengths = sorted({codes for codes, _ in padded.window_shapes()})
+    together, solves_together = decode(padded)
+    assert (solves_alone, solves_together) == ([2, 2, 1, 1], [2, 2, 2])  # last windows: 29 and 33 codes, both at 36
+    for got, expected in zip(together, alone, strict=True):
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
