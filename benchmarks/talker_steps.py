@@ -6,6 +6,7 @@ checkpoint `omni_qwen2_5.py` writes), fed whole thinker replies of random states
 sampling (temperature 0.9, top-k 40, top-p 0.8, repetition penalty 1.05) kept on codec ids token2wav can embed.
 
     python benchmarks/talker_steps.py --checkpoint /tmp/omni --batches 1,32 --out talker.jsonl   # GPU
+    python benchmarks/talker_steps.py --checkpoint /tmp/omni --batches 1 --host-profile          # host time by function
     python benchmarks/talker_steps.py --tiny --codes 40                                          # CPU smoke run
 """
 
