@@ -67,6 +67,7 @@ def block_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
 
 
 def fused_available(qkv: torch.Tensor) -> bool:
+    """Whether block_attention runs the Triton kernel on `qkv` (else torch's SDPA, which needs the mask)."""
     dim = qkv.shape[-1]
     return triton is not None and qkv.is_cuda and dim >= 16 and dim & (dim - 1) == 0
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.kernels.block_attention import block_attention, block_window_mask
+from omnistage.kernels.block_attention import block_attention, block_window_mask, fused_available
 from omnistage.kernels.fused import residual_norm_modulate
 
 
@@ -96,7 +96,8 @@ class DiTSolver:
         rotary = cos.view(1, frames, 1, self.head_dim), sin.view(1, frames, 1, self.head_dim)
         if lengths is not None:
             lengths = torch.cat([lengths, lengths])  # the guided rows, then the unguided ones
-        masks = self._masks(frames, noise.device, lengths)
+        probe = noise.new_empty(0, 0, 3, self.heads, self.head_dim)  # the layout block_attention will get
+        masks = self._masks(frames, noise.device, lengths) if not fused_available(probe) else {}
         points = iter(range(len(self.steps) * 4))
 
         def velocity(state: torch.Tensor) -> torch.Tensor:
@@ -127,8 +128,8 @@ class DiTSolver:
 
     def _masks(self, frames: int, device: torch.device, lengths: torch.Tensor | None
                ) -> dict[tuple[int, int], torch.Tensor | None]:
-        """Per reach, which keys of each query block's window are real frames (for the torch path of
-        block_attention)."""
+        """Per reach, which keys of each query block's window are real frames (only the torch path of
+        block_attention reads them)."""
         return {reach: block_window_mask(frames, self.block_size, *reach, device, lengths)
                 for reach in set(self.reach)}
 
@@ -151,7 +152,7 @@ class DiTSolver:
             half = head_dim // 2
             turned = torch.cat([-rotated[..., half:], rotated[..., :half]], dim=-1)
             rotated.copy_(rotated * cos + turned * sin)
-            attn = block_attention(qkv, self.block_size, *reach, masks[reach], lengths)
+            attn = block_attention(qkv, self.block_size, *reach, masks.get(reach), lengths)
             attn = F.linear(attn.reshape(rows, width), blk.attn.to_out[0].weight, blk.attn.to_out[0].bias)
             h, x = residual_norm_modulate(h, attn, gate_a, shift_f, scale_f, 1e-6)
             up, down = blk.ff.ff[0], blk.ff.ff[3]

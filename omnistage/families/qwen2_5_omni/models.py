@@ -217,9 +217,8 @@ class Token2Wav:
     def __init__(self, model: nn.Module, voices: dict[str, dict[str, torch.Tensor]], device: torch.device,
                  window: int = 0, first_window: int | None = None, left: int | None = None,
                  right: int | None = None, max_window: int | None = None, vocoder_context: int = 16,
-                 num_steps: int = 10,
-                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0, use_graphs: bool = True,
-                 max_batch: int = 16, tf32: bool = False):
+                 num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
+                 use_graphs: bool = True, max_batch: int = 16, tf32: bool = False):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
         self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder stays in float32 whatever this is
