@@ -140,8 +140,57 @@ def _stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> None:
     print(f"\n[{tokens} tokens, TTFT {ttft_ms}, total {total * 1000:.1f} ms, {tokens / total:.1f} tok/s]")
 
 
+def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out: str) -> None:
+    """A streamed text + speech answer: text printed as it comes, PCM16 audio chunks gathered into a WAV file,
+    then the time to the first text and the first audio."""
+    import base64
+    import wave
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="demo")
+    start, first_text, first_audio, chunks, pcm = time.perf_counter(), None, None, 0, bytearray()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "pcm16"},
+        stream=True,
+        # thinker: the reply's length; talker: at most 150 codec codes (3 s of audio), as random weights
+        # rarely sample the end code
+        extra_body={"sampling_params_list": [{"max_tokens": max_tokens}, {"max_tokens": 150}]},
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                first_text = first_text if first_text is not None else time.perf_counter() - start
+                print(delta.content, end="", flush=True)
+            audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
+            if audio:
+                first_audio = first_audio if first_audio is not None else time.perf_counter() - start
+                pcm += base64.b64decode(audio["data"] if isinstance(audio, dict) else audio.data)
+                chunks += 1
+    total = time.perf_counter() - start
+    with wave.open(audio_out, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(SPEECH_SAMPLE_RATE)
+        out.writeframes(bytes(pcm))
+    ms = {name: f"{t * 1000:.0f} ms" if t is not None else "n/a" for name, t in
+          (("text", first_text), ("audio", first_audio))}
+    seconds = len(pcm) / 2 / SPEECH_SAMPLE_RATE
+    print(f"\n[first text {ms['text']}, first audio {ms['audio']}, {seconds:.2f} s of audio in {chunks} chunks, "
+          f"total {total * 1000:.0f} ms; wrote {audio_out}]")
+
+
+SPEECH_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav output
+DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni")
+
+
 def _demo(args: argparse.Namespace) -> int:
-    """End to end on a random-weight tiny model: real server, real OpenAI client, streamed answer."""
+    """End to end on a random-weight tiny model: real server, real OpenAI client, streamed answer (for
+    qwen2_5_omni: streamed text and speech, the speech written to a WAV file)."""
     from omnistage.entrypoints.async_omni import AsyncOmni
     from omnistage.entrypoints.openai.server import BackgroundServer
     from omnistage.testing import tiny_checkpoint
@@ -157,7 +206,10 @@ def _demo(args: argparse.Namespace) -> int:
         with BackgroundServer(engine, port=args.port) as server:
             _wait_healthy(server.url)
             print(f"server up at {server.url}\n> {args.prompt}")
-            _stream_chat(server.url, engine.served_model_name, args.prompt, args.max_tokens)
+            if args.arch == "qwen2_5_omni":
+                _stream_speech(server.url, engine.served_model_name, args.prompt, args.max_tokens, args.audio_out)
+            else:
+                _stream_chat(server.url, engine.served_model_name, args.prompt, args.max_tokens)
     finally:
         engine.shutdown()
     return 0
@@ -209,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_make_tiny)
 
     demo = sub.add_parser("demo", help="serve a tiny model and chat with it through the OpenAI client")
-    demo.add_argument("--arch", default="qwen2", choices=CAUSAL_LM_ARCHS)
+    demo.add_argument("--arch", default="qwen2", choices=DEMO_ARCHS,
+                      help="qwen2_5_omni: text and speech out (needs the `omni` extra)")
+    demo.add_argument("--audio-out", default="omnistage-demo.wav", help="qwen2_5_omni: where the speech goes")
     demo.add_argument("--port", type=int, default=0, help="0: any free port")
     demo.add_argument("--prompt", default="Tell me about the river in the old town.")
     demo.add_argument("--max-tokens", type=int, default=32)

@@ -152,3 +152,19 @@ def test_oversized_requests_and_media_get_413(tiny_qwen2_5_omni: str) -> None:
             assert ok.choices[0].message.content is not None
     finally:
         engine.shutdown()
+
+
+def test_speech_demo_streams_text_and_writes_the_audio(tmp_path, tiny_qwen2_5_omni: str) -> None:
+    """`omnistage demo --arch qwen2_5_omni`: the tiny omni model served, asked through the OpenAI client for
+    text and streamed speech (the talker sampling hot from random weights), the speech saved as a WAV."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "demo.wav"
+    proc = subprocess.run([sys.executable, "-m", "omnistage", "demo", "--arch", "qwen2_5_omni", "--audio-out",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "first audio" in proc.stdout and f"wrote {out}" in proc.stdout
+    with wave.open(str(out)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        assert w.getnframes() > 0

@@ -6,6 +6,7 @@ Requests for text only never touch the talker or token2wav. See models.py for wh
 from __future__ import annotations
 
 import difflib
+import functools
 from typing import Any
 
 import torch
@@ -159,9 +160,18 @@ class OmniPipeline(TextPipeline):
         return super().to_output(stage, out)
 
     def talker_params(self, request: OmniRequest) -> SamplingParams:
-        cfg = self.config.talker_config
+        """The talker never samples what token2wav cannot decode: codec ids past the DiT's code embedding
+        other than the two stop codes (a trained talker does not either; random weights would, and token2wav
+        would fail the request), nor the codec start code."""
         params = request.stage_params.get("talker") or self.stage_config("talker").sampling_params()
-        return params.with_overrides(bad_token_ids=sorted({*params.bad_token_ids, cfg.tts_codec_start_token_id}))
+        return params.with_overrides(bad_token_ids=sorted({*params.bad_token_ids, *self.undecodable_codes}))
+
+    @functools.cached_property
+    def undecodable_codes(self) -> tuple[int, ...]:
+        cfg = self.config.talker_config
+        decodable = self.config.token2wav_config.dit_config.num_embeds  # ids 0..num_embeds embed
+        stops = {cfg.tts_codec_end_token_id, cfg.tts_codec_pad_token_id}
+        return (cfg.tts_codec_start_token_id, *(i for i in range(decodable + 1, cfg.vocab_size) if i not in stops))
 
 
 def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:

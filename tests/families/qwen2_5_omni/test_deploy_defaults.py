@@ -61,3 +61,19 @@ def test_bad_token2wav_options_fail_at_start_up_naming_the_field(tiny_qwen2_5_om
     with pytest.raises(ConfigError) as error:
         build_pipeline(tiny_qwen2_5_omni, {"stages": {"token2wav": {"options": options}}})
     assert message in str(error.value)
+
+
+def test_the_talker_never_samples_a_code_token2wav_cannot_decode(tiny_qwen2_5_omni: str) -> None:
+    """Banned for the talker: every codec id past the DiT's code embedding except the two stop codes, and the
+    start code; a user's own bad ids are kept. Random weights sampled hot would otherwise reach them (the
+    speech demo did: token2wav failed with an index error)."""
+    from omnistage.runtime.messages import OmniRequest
+    from omnistage.sampling_params import SamplingParams
+
+    pipeline = build_pipeline(tiny_qwen2_5_omni)
+    talker, embeds = pipeline.config.talker_config, pipeline.config.token2wav_config.dit_config.num_embeds
+    request = OmniRequest("r", prompt="hi", stage_params={"talker": SamplingParams(bad_token_ids=[5])})
+    banned = set(pipeline.talker_params(request).bad_token_ids)
+    stops = {talker.tts_codec_end_token_id, talker.tts_codec_pad_token_id}
+    assert banned == {5, talker.tts_codec_start_token_id} | set(range(embeds + 1, talker.vocab_size)) - stops
+    assert stops <= set(range(embeds + 1, talker.vocab_size))  # the stop codes are past the embedding too
