@@ -49,11 +49,8 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
                                                        "overlap_sampled": overlap_sampled}}})
     pipeline = family.pipeline(info, deploy)
     engine = pipeline.build_engine("talker")
-    talker = pipeline.config.talker_config
-    limit = pipeline.config.token2wav_config.dit_config.num_embeds
-    banned = sorted({*range(limit, talker.vocab_size), talker.tts_codec_start_token_id})  # as the pipeline bans
     params = SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
-                            ignore_eos=True, bad_token_ids=banned)
+                            ignore_eos=True, bad_token_ids=list(pipeline.undecodable_codes))  # as the pipeline bans
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     try:
         for wave in ("warm-up", "measured"):

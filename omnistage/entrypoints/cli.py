@@ -148,6 +148,8 @@ def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out
 
     from openai import OpenAI
 
+    from omnistage.families.qwen2_5_omni.models import SAMPLE_RATE
+
     client = OpenAI(base_url=f"{url}/v1", api_key="demo")
     start, first_text, first_audio, chunks, pcm = time.perf_counter(), None, None, 0, bytearray()
     stream = client.chat.completions.create(
@@ -175,16 +177,15 @@ def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out
     with wave.open(audio_out, "wb") as out:
         out.setnchannels(1)
         out.setsampwidth(2)
-        out.setframerate(SPEECH_SAMPLE_RATE)
+        out.setframerate(SAMPLE_RATE)
         out.writeframes(bytes(pcm))
     ms = {name: f"{t * 1000:.0f} ms" if t is not None else "n/a" for name, t in
           (("text", first_text), ("audio", first_audio))}
-    seconds = len(pcm) / 2 / SPEECH_SAMPLE_RATE
+    seconds = len(pcm) / 2 / SAMPLE_RATE
     print(f"\n[first text {ms['text']}, first audio {ms['audio']}, {seconds:.2f} s of audio in {chunks} chunks, "
           f"total {total * 1000:.0f} ms; wrote {audio_out}]")
 
 
-SPEECH_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav output
 DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni")
 
 
