@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import json
 import statistics
 import sys
 import tempfile
@@ -142,25 +143,52 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
     start = time.perf_counter()
     first_audio, samples, prompt = None, 0, 0
     playhead = stall = 0.0  # a listener playing chunks as they come: where playback is, and time it waited
+    first_text = last_text = None
+    chunks = []  # (seconds since start, seconds of audio) per audio chunk: when the windows came out
     async for out in engine.generate(request):
         if out.error:
             raise RuntimeError(out.error)
         prompt = out.num_prompt_tokens or prompt
+        now = time.perf_counter() - start
+        if out.text:
+            first_text, last_text = first_text or now, now
         if out.audio is not None and out.audio.size:
-            now = time.perf_counter() - start
             first_audio = first_audio or now
             if samples and now > playhead:  # the previous chunks ran out before this one arrived
                 stall += now - playhead
             playhead = max(playhead, now) + out.audio.size / SAMPLE_RATE
             samples += out.audio.size
+            chunks.append((round(now, 3), round(out.audio.size / SAMPLE_RATE, 3)))
     e2e = time.perf_counter() - start
-    return {"ttfp": first_audio, "e2e": e2e, "audio": samples / SAMPLE_RATE, "prompt": prompt, "stall": stall}
+    return {"ttfp": first_audio, "e2e": e2e, "audio": samples / SAMPLE_RATE, "prompt": prompt, "stall": stall,
+            "first_text": first_text, "last_text": last_text, "chunks": chunks}
+
+
+async def sample_stages(engine: AsyncOmni, start: float, every_s: float = 0.1) -> list[dict]:
+    """Each stage's activity while a wave runs, per `every_s` slice: engine steps, the share of the slice its
+    loop spent stepping (busy), and requests with output per step (batch). Cancel to stop; read `.result()`."""
+    rows, before = [], engine.stats()
+    try:
+        while True:
+            await asyncio.sleep(every_s)
+            after = engine.stats()
+            row = {"t": round(time.perf_counter() - start, 2)}
+            for stage, stats in after.items():
+                steps = stats.get("steps", 0) - before[stage].get("steps", 0)
+                busy = stats.get("step_seconds", 0.0) - before[stage].get("step_seconds", 0.0)
+                outputs = stats.get("step_outputs", 0) - before[stage].get("step_outputs", 0)
+                row[stage] = [steps, round(busy / every_s, 2), round(outputs / max(steps, 1), 1)]
+            rows.append(row)
+            before = after
+    except asyncio.CancelledError:
+        return rows
 
 
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
          backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
-         overlap_decode: bool = True, overlap_sampled: bool = False, settings: dict[str, Any] | None = None) -> None:
+         overlap_decode: bool = True, overlap_sampled: bool = False, settings: dict[str, Any] | None = None,
+         timeline_out: Path | None = None) -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -190,16 +218,25 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     engine = AsyncOmni(path, deploy)
     print(f"omnistage ({backend}) up in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
     try:
+        timelines: dict[int, dict] = {}  # per concurrency, its last wave's stage activity and request events
+
         async def wave(n: int) -> tuple[list[dict], float]:
             print(f"wave of {n}", file=sys.stderr, flush=True)
             start = time.perf_counter()
+            sampler = asyncio.ensure_future(sample_stages(engine, start))
             requests = asyncio.gather(*(one_request(engine, f"c{n}-{i}", params) for i in range(n)))
             try:
                 results = await asyncio.wait_for(requests, wave_timeout_s)  # a stuck run reports, not hangs
             except TimeoutError:
                 faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where inline stages are stuck
                 raise
-            return results, time.perf_counter() - start
+            finally:
+                sampler.cancel()
+            wall = time.perf_counter() - start
+            timelines[n] = {"stages": await sampler, "requests": [
+                {k: r[k] if k == "chunks" else round(r[k], 3) for k in ("first_text", "last_text", "ttfp", "e2e", "chunks")}
+                for r in results]}
+            return results, wall
 
         asyncio.run(wave(1))  # warm-up
         for n in concurrency:
@@ -220,6 +257,9 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    playback_stall_s_median=round(statistics.median(r["stall"] for r in results), 3),
                    requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2),
                    stages=stage_steps(before, after))
+            if timeline_out is not None:
+                with timeline_out.open("a") as f:
+                    f.write(json.dumps({"concurrency": n, "settings": settings or {}, **timelines[n]}) + "\n")
         if profile_dir is not None:  # a trace of each concurrency's wave: host threads and GPU streams
             from torch.profiler import ProfilerActivity, profile
 
@@ -260,6 +300,8 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="also write a torch profiler trace of one wave per concurrency here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a deploy-config setting (YAML value), e.g. stages.token2wav.dtype=bfloat16; repeatable")
+    ap.add_argument("--timeline", type=Path, help="append each wave's stage activity (per 0.1 s) and per-request "
+                    "event times (first/last text, each audio chunk) here as JSON lines")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
 
@@ -282,7 +324,8 @@ def main() -> None:
                      token2wav_dtype=args.token2wav_dtype, tf32=args.tf32, stream_priority=args.stream_priority,
                      profile_dir=args.profile, overlap_decode=not args.no_overlap,
                      overlap_sampled=args.overlap_sampled,
-                     settings={k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)})
+                     settings={k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)},
+                     timeline_out=args.timeline)
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")
