@@ -233,9 +233,9 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             finally:
                 sampler.cancel()
             wall = time.perf_counter() - start
+            events = ("first_text", "last_text", "ttfp", "e2e")
             timelines[n] = {"stages": await sampler, "requests": [
-                {k: r[k] if k == "chunks" else round(r[k], 3) for k in ("first_text", "last_text", "ttfp", "e2e", "chunks")}
-                for r in results]}
+                {**{k: round(r[k], 3) for k in events}, "chunks": r["chunks"]} for r in results]}
             return results, wall
 
         asyncio.run(wave(1))  # warm-up
