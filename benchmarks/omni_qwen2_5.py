@@ -150,7 +150,7 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
             raise RuntimeError(out.error)
         prompt = out.num_prompt_tokens or prompt
         now = time.perf_counter() - start
-        if out.text:
+        if out.text or out.token_ids:
             first_text, last_text = first_text or now, now
         if out.audio is not None and out.audio.size:
             first_audio = first_audio or now
@@ -235,7 +235,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             wall = time.perf_counter() - start
             events = ("first_text", "last_text", "ttfp", "e2e")
             timelines[n] = {"stages": await sampler, "requests": [
-                {**{k: round(r[k], 3) for k in events}, "chunks": r["chunks"]} for r in results]}
+                {**{k: r[k] and round(r[k], 3) for k in events}, "chunks": r["chunks"]} for r in results]}
             return results, wall
 
         asyncio.run(wave(1))  # warm-up

@@ -7,6 +7,7 @@ sampling (temperature 0.9, top-k 40, top-p 0.8, repetition penalty 1.05) kept on
 
     python benchmarks/talker_steps.py --checkpoint /tmp/omni --batches 1,32 --out talker.jsonl   # GPU
     python benchmarks/talker_steps.py --checkpoint /tmp/omni --batches 1 --host-profile          # host time by function
+    python benchmarks/talker_steps.py --checkpoint /tmp/omni --kernel-profile   # device time by kernel (eager)
     python benchmarks/talker_steps.py --tiny --codes 40                                          # CPU smoke run
 """
 
@@ -43,10 +44,12 @@ def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: Sa
     return StageInput(rid, [], params=params, tensors=tensors, final=True)
 
 
-def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool = False) -> None:
+def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool = False,
+        kernel_profile: bool = False) -> None:
     family, info = detect_family(path)
     deploy = load_deploy_config({"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
-                                                       "overlap_sampled": overlap_sampled}}})
+                                                       "overlap_sampled": overlap_sampled,
+                                                       "enforce_eager": kernel_profile}}})
     pipeline = family.pipeline(info, deploy)
     engine = pipeline.build_engine("talker")
     params = SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -60,6 +63,8 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
                                                                for s in engine.seqs.values()):
                 engine.step()  # prefills (and a first code each)
             sync()
+            if kernel_profile and wave == "measured":
+                print_kernel_profile(engine, batch, sync)
             profiler = cProfile.Profile() if host_profile and wave == "measured" else None
             steps, start = 0, time.perf_counter()
             if profiler:
@@ -79,6 +84,22 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
         engine.shutdown()
 
 
+def print_kernel_profile(engine, batch: int, sync, steps: int = 20) -> None:
+    """Device time by kernel over `steps` eager decode steps (eager: each kernel keeps its op's name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    total = sum(getattr(e, key.replace("cuda", "device")) for e in prof.key_averages()) / 1000
+    print(f"== kernels, batch {batch}: {total / steps:.3f} ms of device time per step over {steps} eager steps",
+          flush=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=90), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
@@ -87,6 +108,8 @@ def main() -> None:
     ap.add_argument("--codes", type=int, default=600)
     ap.add_argument("--out")
     ap.add_argument("--host-profile", action="store_true", help="also print cProfile's top functions per run")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="eager steps (no CUDA graphs) and a table of device time by kernel over 20 of them")
     args = ap.parse_args()
 
     record = recorder(args.out)
@@ -102,8 +125,8 @@ def main() -> None:
 
             path = write_full_checkpoint(path or Path("/tmp/omni"))
     for batch in (int(b) for b in args.batches.split(",")):
-        for overlap_sampled in (False, True):
-            run(path, batch, args.codes, overlap_sampled, record, args.host_profile)
+        for overlap_sampled in (False,) if args.kernel_profile else (False, True):
+            run(path, batch, args.codes, overlap_sampled, record, args.host_profile, args.kernel_profile)
 
 
 if __name__ == "__main__":

@@ -292,6 +292,8 @@ def test_video_with_its_audio_track_equals_transformers(tiny_qwen2_5_omni: str) 
     from transformers import Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniProcessor
 
     from omnistage.media import load_part
+
+    pytest.importorskip("av")  # PyAV (the omni extra) makes and decodes the video
     from omnistage.testing.media_files import make_video
 
     part = {"type": "video_url", "video_url": {
