@@ -166,7 +166,8 @@ async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
 
 async def sample_stages(engine: AsyncOmni, start: float, every_s: float = 0.1) -> list[dict]:
     """Each stage's activity while a wave runs, per `every_s` slice: engine steps, the share of the slice its
-    loop spent stepping (busy), and requests with output per step (batch). Cancel to stop; read `.result()`."""
+    loop spent stepping (busy), requests with output per step (batch), and the share spent routing its outputs
+    on (reporting). Cancel to stop; the task's result is the rows."""
     rows, before = [], engine.stats()
     try:
         while True:
@@ -177,7 +178,9 @@ async def sample_stages(engine: AsyncOmni, start: float, every_s: float = 0.1) -
                 steps = stats.get("steps", 0) - before[stage].get("steps", 0)
                 busy = stats.get("step_seconds", 0.0) - before[stage].get("step_seconds", 0.0)
                 outputs = stats.get("step_outputs", 0) - before[stage].get("step_outputs", 0)
-                row[stage] = [steps, round(busy / every_s, 2), round(outputs / max(steps, 1), 1)]
+                routing = stats.get("report_seconds", 0.0) - before[stage].get("report_seconds", 0.0)
+                row[stage] = [steps, round(busy / every_s, 2), round(outputs / max(steps, 1), 1),
+                              round(routing / every_s, 2)]
             rows.append(row)
             before = after
     except asyncio.CancelledError:
@@ -273,12 +276,17 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
 
 
 def stage_steps(before: dict, after: dict) -> dict:
-    """Per stage over a wave: engine steps and mean milliseconds per step."""
+    """Per stage over a wave: engine steps, mean milliseconds per step, and the loop's milliseconds per step
+    outside it: routing outputs on, applying arriving inputs."""
     out = {}
     for stage, stats in after.items():
         steps = stats.get("steps", 0) - before[stage].get("steps", 0)
         seconds = stats.get("step_seconds", 0.0) - before[stage].get("step_seconds", 0.0)
-        out[stage] = {"steps": steps, "ms_per_step": round(1000 * seconds / max(steps, 1), 3)}
+        routing = stats.get("report_seconds", 0.0) - before[stage].get("report_seconds", 0.0)
+        commands = stats.get("command_seconds", 0.0) - before[stage].get("command_seconds", 0.0)
+        out[stage] = {"steps": steps, "ms_per_step": round(1000 * seconds / max(steps, 1), 3),
+                      "routing_ms_per_step": round(1000 * routing / max(steps, 1), 3),
+                      "inputs_ms_per_step": round(1000 * commands / max(steps, 1), 3)}
     return out
 
 

@@ -72,14 +72,28 @@ def fused_available(qkv: torch.Tensor) -> bool:
     return triton is not None and qkv.is_cuda and dim >= 16 and dim & (dim - 1) == 0
 
 
+def rotate_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
+    """Rotary embedding (rotate-half layout) on the first `heads` heads of the query and key, in place:
+    qkv [B, frames, 3, heads, dim], cos/sin [frames, dim]. What block_attention's kernel does as it loads them."""
+    rotated = qkv[:, :, :2, :heads]
+    half = rotated.shape[-1] // 2
+    turned = torch.cat([-rotated[..., half:], rotated[..., :half]], dim=-1)
+    rotated.copy_(rotated * cos[:, None, None] + turned * sin[:, None, None])
+
+
 def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: torch.Tensor | None = None,
-                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+                    lengths: torch.Tensor | None = None,
+                    rotary: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """qkv [B, frames, 3, heads, dim] (a fused projection's output, viewed) -> [B, frames, heads, dim].
     `lengths` ([B], optional): real frames per sequence; keys past them are padding no query sees (padding
     queries get zeros or padding). `mask` (block_window_mask, with the same `lengths`) is used by the torch
-    path only. The Triton kernel multiplies float32 on TF32 tensor cores when torch's matmuls do
-    (torch.backends.cuda.matmul.allow_tf32), else in full float32."""
+    path only. `rotary` (cos, sin [frames, dim], n): the first n heads of query and key are rotated first
+    (rotate_heads; the kernel rotates as it loads, in float32, and leaves qkv as it was). The Triton kernel
+    multiplies float32 on TF32 tensor cores when torch's matmuls do (torch.backends.cuda.matmul.allow_tf32),
+    else in full float32."""
     if not fused_available(qkv):
+        if rotary is not None:
+            rotate_heads(qkv, *rotary)
         return block_attention_sdpa(*qkv.unbind(2), block, back, ahead, mask)
     batch, frames, _, heads, dim = qkv.shape
     if qkv.stride(-1) != 1:
@@ -87,10 +101,13 @@ def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: 
     out = torch.empty(batch, frames, heads, dim, device=qkv.device, dtype=qkv.dtype)
     blocks = -(-frames // block)
     exact = qkv.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    cos, sin, rotated = (out, out, 0) if rotary is None else (rotary[0].contiguous(), rotary[1].contiguous(),
+                                                              rotary[2])
     _block_attention_kernel[(batch * blocks, heads)](
-        qkv, out, out if lengths is None else lengths, frames, blocks, *qkv.stride()[:4], *out.stride()[:3],
-        dim ** -0.5, BLOCK=block, PAD=max(16, triton.next_power_of_2(block)), DIM=dim, BACK=back, AHEAD=ahead,
-        PRECISION="ieee" if exact else "tf32", HAS_LENGTHS=lengths is not None,
+        qkv, out, out if lengths is None else lengths, cos, sin, rotated, frames, blocks, *qkv.stride()[:4],
+        *out.stride()[:3], dim ** -0.5, BLOCK=block, PAD=max(16, triton.next_power_of_2(block)), DIM=dim,
+        BACK=back, AHEAD=ahead, PRECISION="ieee" if exact else "tf32", HAS_LENGTHS=lengths is not None,
+        HAS_ROTARY=rotated > 0,
     )
     return out
 
@@ -98,10 +115,21 @@ def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: 
 if triton is not None:
 
     @triton.jit
-    def _block_attention_kernel(QKV, OUT, LENGTHS, frames, blocks, s_batch, s_frame, s_part, s_head, o_batch,
-                                o_frame, o_head, scale, BLOCK: tl.constexpr, PAD: tl.constexpr, DIM: tl.constexpr,
-                                BACK: tl.constexpr, AHEAD: tl.constexpr, PRECISION: tl.constexpr,
-                                HAS_LENGTHS: tl.constexpr):
+    def _rotated(x, part, pos, ok, cols, s_frame, COS, SIN, DIM: tl.constexpr):
+        """Rows `pos` of a query or key head (`x`, loaded from `part`) times the rotary tables, in float32."""
+        partner = tl.load(part + pos[:, None] * s_frame + ((cols + DIM // 2) % DIM)[None, :], mask=ok[:, None],
+                          other=0.0)
+        table = pos[:, None] * DIM + cols[None, :]
+        cos = tl.load(COS + table, mask=ok[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(SIN + table, mask=ok[:, None], other=0.0).to(tl.float32)
+        sign = tl.where(cols < DIM // 2, -1.0, 1.0)[None, :]
+        return (x.to(tl.float32) * cos + sign * partner.to(tl.float32) * sin).to(x.dtype)
+
+    @triton.jit
+    def _block_attention_kernel(QKV, OUT, LENGTHS, COS, SIN, rotated_heads, frames, blocks, s_batch, s_frame,
+                                s_part, s_head, o_batch, o_frame, o_head, scale, BLOCK: tl.constexpr,
+                                PAD: tl.constexpr, DIM: tl.constexpr, BACK: tl.constexpr, AHEAD: tl.constexpr,
+                                PRECISION: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_ROTARY: tl.constexpr):
         """One (sequence, query block, head): online softmax over the window's key blocks, one at a time."""
         seq = tl.program_id(0) // blocks
         i = tl.program_id(0) % blocks
@@ -112,6 +140,11 @@ if triton is not None:
         q_pos = i * BLOCK + rows
         q_ok = (rows < BLOCK) & (q_pos < frames)
         q = tl.load(base + q_pos[:, None] * s_frame + cols[None, :], mask=q_ok[:, None], other=0.0)
+        rotate = False
+        if HAS_ROTARY:
+            rotate = head < rotated_heads
+            if rotate:
+                q = _rotated(q, base, q_pos, q_ok, cols, s_frame, COS, SIN, DIM)
         real = frames
         if HAS_LENGTHS:
             real = tl.load(LENGTHS + seq).to(tl.int32)  # keys past it are padding
@@ -123,6 +156,8 @@ if triton is not None:
             k_ok = (rows < BLOCK) & (k_pos >= 0) & (k_pos < real)
             offsets = k_pos[:, None] * s_frame + cols[None, :]
             k = tl.load(base + s_part + offsets, mask=k_ok[:, None], other=0.0)
+            if rotate:
+                k = _rotated(k, base + s_part, k_pos, k_ok, cols, s_frame, COS, SIN, DIM)
             v = tl.load(base + 2 * s_part + offsets, mask=k_ok[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(k_ok[None, :], scores, float("-inf"))

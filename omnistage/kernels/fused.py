@@ -1,4 +1,5 @@
-"""Fused elementwise ops for the decode hot path: residual-add + RMSNorm, rotary embedding, SiLU-mul.
+"""Fused elementwise ops for the decode hot path: residual-add + RMSNorm, rotary embedding, SiLU-mul; and
+for the DiT: gated residual + LayerNorm + modulation, linear + tanh GELU.
 
 Unfused, each is a handful of tiny kernels per layer; at batch 1 those launches cost as much as a
 fifth of the step. On CUDA each op is one Triton kernel; elsewhere the same math runs in torch.
@@ -183,3 +184,11 @@ def residual_norm_modulate(
         num_warps=8 if n_cols > 2048 else 4,
     )
     return h_out, x
+
+
+def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """gelu(x @ weight.T + bias, approximate="tanh") for 2-D x. On CUDA one cuBLASLt matmul whose epilogue adds
+    the bias and applies GELU (its tanh form) instead of a second pass over the product."""
+    if x.is_cuda and x.dim() == 2:
+        return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")

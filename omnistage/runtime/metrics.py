@@ -3,7 +3,8 @@ stats: the engine loops and links only bump plain counters, and a scrape costs n
 nobody scrapes.
 
 Per stage and replica: up, restarts, queue depth, running and outstanding requests, KV blocks,
-step time and batch size (summaries: count = steps), and payload transfers to and from the
+step time and batch size (summaries: count = steps), the engine loop's time outside steps (applying
+arriving inputs, routing outputs on), and payload transfers to and from the
 stage (bytes, count, seconds spent encoding/putting and getting/decoding on both ends).
 Per server: requests in flight and finished, by outcome.
 """
@@ -51,15 +52,21 @@ class RuntimeCollector(Collector):
         xfer_bytes = CounterMetricFamily("omnistage_stage_transfer_bytes", "Payload bytes moved", labels=labels)
         xfer_time = SummaryMetricFamily("omnistage_stage_transfer_seconds",
                                         "Time per payload transfer (both ends)", labels=labels)
+        loop = CounterMetricFamily("omnistage_stage_loop_seconds", "Engine loop time outside steps: applying "
+                                   "arriving inputs (commands) and routing outputs on (report)",
+                                   labels=[*_LABELS, "part"])
         for stage, r, s in replicas:
             restarts.add_metric([stage, r], s.get("restarts", 0))
+            for part in ("command", "report"):
+                if f"{part}_seconds" in s:
+                    loop.add_metric([stage, r, part], s[f"{part}_seconds"])
             steps.add_metric([stage, r], s.get("steps", 0), s.get("step_seconds", 0.0))
             batch.add_metric([stage, r], s.get("steps", 0), s.get("step_outputs", 0))
             for d, peer in (("in", "in_recv_seconds"), ("out", "out_recv_seconds")):
                 if f"{d}_transfers" in s:  # out-of-process replicas only
                     xfer_bytes.add_metric([stage, r, d], s[f"{d}_bytes"])
                     xfer_time.add_metric([stage, r, d], s[f"{d}_transfers"], s[f"{d}_seconds"] + s.get(peer, 0.0))
-        yield from (restarts, steps, batch, xfer_bytes, xfer_time)
+        yield from (restarts, steps, batch, loop, xfer_bytes, xfer_time)
         in_flight = GaugeMetricFamily("omnistage_requests_in_flight", "Requests admitted and not finished")
         in_flight.add_metric([], len(self.orchestrator.requests))
         yield in_flight

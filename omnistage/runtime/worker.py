@@ -61,19 +61,24 @@ class EngineLoop:
         self.stage, self.engine, self.report = stage, engine, report
         self.receive = receive or (lambda inp: inp)  # what the host does with an input before the engine sees it
         self.commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        # Loop metrics, reported with the engine's stats: step count and time, outputs per step.
+        # Loop metrics, reported with the engine's stats: step count and time, outputs per step, and the
+        # loop's time outside steps: applying commands (inputs arriving) and reporting (routing outputs on).
         self.steps, self.step_seconds, self.step_outputs = 0, 0.0, 0
+        self.command_seconds = self.report_seconds = 0.0
 
     def run(self) -> None:
         """Until a "stop" command. Exceptions (a broken engine) propagate to the host."""
         self.report([], self.stats())
         while True:
             outputs: list[StageOutput] = []
-            for kind, arg in self._drain(block=not self.engine.has_work()):
+            commands = self._drain(block=not self.engine.has_work())
+            start = time.perf_counter()
+            for kind, arg in commands:
                 if kind == "stop":
                     self.engine.shutdown()
                     return
                 outputs += self._apply(kind, arg)
+            self.command_seconds += time.perf_counter() - start
             if self.engine.has_work():
                 start = time.perf_counter()
                 stepped = self.engine.step()
@@ -81,11 +86,14 @@ class EngineLoop:
                 self.step_seconds += time.perf_counter() - start
                 self.step_outputs += len(stepped)
                 outputs += stepped
+            start = time.perf_counter()
             self.report(outputs, self.stats())
+            self.report_seconds += time.perf_counter() - start
 
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "steps": self.steps, "step_seconds": self.step_seconds,
-                "step_outputs": self.step_outputs, "commands_queued": self.commands.qsize()}
+                "step_outputs": self.step_outputs, "command_seconds": self.command_seconds,
+                "report_seconds": self.report_seconds, "commands_queued": self.commands.qsize()}
 
     def _apply(self, kind: str, arg: Any) -> list[StageOutput]:
         if kind == "add":

@@ -63,6 +63,7 @@ def test_signal_stops_every_stage_process(tiny_qwen2: str, tmp_path: Path, sig: 
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
         assert 'omnistage_stage_up{replica="0",stage="lm"} 1.0' in metrics
         assert 'omnistage_stage_transfer_bytes_total{direction="out",replica="0",stage="lm"}' in metrics
+        assert 'omnistage_stage_loop_seconds_total{part="report",replica="0",stage="lm"}' in metrics
 
         server.send_signal(sig)
         assert server.wait(30) is not None

@@ -192,13 +192,18 @@ def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOu
         return None  # the talker's prompt ends with the first reply token's states
     if feed["open"] and not rows and not out.finished:
         return None
-    cfg = pipeline.config.talker_config
-    tensors = {"text_eos": torch.tensor(cfg.tts_text_end_token_id), "text_pad": torch.tensor(cfg.tts_text_pad_token_id)}
+    # Runs once per thinker token per request on the thinker's loop: only what this chunk needs.
+    cfg, params = pipeline.config.talker_config, None
+    tensors = {}
     if rows:
-        tensors["thinker_embed"], tensors["thinker_last"] = torch.cat(feed["embed"]), torch.cat(feed["last"])
+        tensors["thinker_embed"], tensors["thinker_last"] = _joined(feed["embed"]), _joined(feed["last"])
     feed["embed"], feed["last"] = [], []
+    if not feed["open"] or out.finished:  # the talker reads the text ids when it opens and at the reply's end
+        tensors["text_eos"] = torch.tensor(cfg.tts_text_end_token_id)
+        tensors["text_pad"] = torch.tensor(cfg.tts_text_pad_token_id)
     if not feed["open"]:
         feed["open"] = True
+        params = pipeline.talker_params(request)  # later chunks only add rows: the talker keeps the first's
         tensors.update({
             "prompt_ids": torch.tensor(thinker_inp.token_ids),
             "voice_bos": torch.tensor(pipeline.voice_bos[request.pipeline_state["voice"]]),
@@ -207,8 +212,11 @@ def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOu
         })
         if "feature_attention_mask" in thinker_inp.tensors:
             tensors["audio_lengths"] = thinker_inp.tensors["feature_attention_mask"].sum(-1)
-    return StageInput(out.request_id, [], params=pipeline.talker_params(request), tensors=tensors,
-                      final=out.finished)
+    return StageInput(out.request_id, [], params=params, tensors=tensors, final=out.finished)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.kernels.block_attention import block_attention, block_window_mask, fused_available
-from omnistage.kernels.fused import residual_norm_modulate
+from omnistage.kernels.fused import linear_gelu_tanh, residual_norm_modulate
 
 
 def _deinterleaved(dim: int) -> torch.Tensor:
@@ -93,7 +93,7 @@ class DiTSolver:
         batch, frames, _ = noise.shape
         fixed = self._fixed_inputs(codes, speaker, features, frames)
         cos, sin = self.dit.rotary_embed(noise, torch.arange(frames, device=noise.device)[None])
-        rotary = cos.view(1, frames, 1, self.head_dim), sin.view(1, frames, 1, self.head_dim)
+        rotary = cos.view(frames, self.head_dim), sin.view(frames, self.head_dim), 1  # head 0 only (as trained)
         if lengths is not None:
             lengths = torch.cat([lengths, lengths])  # the guided rows, then the unguided ones
         probe = noise.new_empty(0, 0, 3, self.heads, self.head_dim)  # the layout block_attention will get
@@ -134,29 +134,24 @@ class DiTSolver:
                 for reach in set(self.reach)}
 
     def _forward(self, state: torch.Tensor, fixed: torch.Tensor, point: int,
-                 rotary: tuple[torch.Tensor, torch.Tensor], masks: dict[tuple[int, int], torch.Tensor | None],
+                 rotary: tuple[torch.Tensor, torch.Tensor, int], masks: dict[tuple[int, int], torch.Tensor | None],
                  lengths: torch.Tensor | None = None) -> torch.Tensor:
         """One DiT pass over [guided; unguided] copies of the state at evaluation point `point`. Each seam
         between sublayers (gated residual, then the next norm and its modulation) is one fused pass."""
         batch, frames, _ = state.shape
         rows, width, heads, head_dim = 2 * batch * frames, self.width, self.heads, self.head_dim
         h = torch.addmm(fixed, torch.cat([state, state]).flatten(0, 1), self.in_state.t())
-        cos, sin = rotary
         blocks = self.dit.transformer_blocks
         mods = [mod[point] for mod in self.modulation]
         h, x = residual_norm_modulate(h, None, None, mods[0][0], mods[0][1], 1e-6)
         for i, (blk, (w_qkv, b_qkv), reach) in enumerate(zip(blocks, self.qkv, self.reach, strict=True)):
             _, _, gate_a, shift_f, scale_f, gate_f = mods[i]
             qkv = F.linear(x, w_qkv, b_qkv).view(2 * batch, frames, 3, heads, head_dim)
-            rotated = qkv[:, :, :2, 0]  # head 0 of query and key: the only rotated head (as trained)
-            half = head_dim // 2
-            turned = torch.cat([-rotated[..., half:], rotated[..., :half]], dim=-1)
-            rotated.copy_(rotated * cos + turned * sin)
-            attn = block_attention(qkv, self.block_size, *reach, masks.get(reach), lengths)
+            attn = block_attention(qkv, self.block_size, *reach, masks.get(reach), lengths, rotary)
             attn = F.linear(attn.reshape(rows, width), blk.attn.to_out[0].weight, blk.attn.to_out[0].bias)
             h, x = residual_norm_modulate(h, attn, gate_a, shift_f, scale_f, 1e-6)
             up, down = blk.ff.ff[0], blk.ff.ff[3]
-            ff = F.linear(F.gelu(F.linear(x, up.weight, up.bias), approximate="tanh"), down.weight, down.bias)
+            ff = F.linear(linear_gelu_tanh(x, up.weight, up.bias), down.weight, down.bias)
             scale, shift = self.final[point] if i + 1 == len(blocks) else (mods[i + 1][1], mods[i + 1][0])
             h, x = residual_norm_modulate(h, ff, gate_f, shift, scale, 1e-6)
         return F.linear(x, self.dit.proj_out.weight, self.dit.proj_out.bias).view(2 * batch, frames, self.mel_dim)

@@ -188,8 +188,12 @@ class TalkerLM(hf.HFCausalLM):
         if inp.final:  # the reply is over: its end marker, then padding for as long as the talker speaks
             adds.append(self._text(int(t["text_eos"]))[None])
             inp.embed_add_default = self._text(int(t["text_pad"]))
-        width = self.talker.config.embedding_size
-        inp.embed_adds = torch.cat(adds) if adds else torch.zeros(0, width, device=self.device)
+        if len(adds) == 1:
+            inp.embed_adds = adds[0]
+        elif adds:
+            inp.embed_adds = torch.cat(adds)
+        elif first:  # none yet, but this request takes added rows
+            inp.embed_adds = torch.zeros(0, self.talker.config.embedding_size, device=self.device)
         return inp
 
 

@@ -26,7 +26,8 @@ if triton is not None:
     @triton.jit
     def _upsample_snake_kernel(X, S, ALPHA, INV_BETA, UP, channels, length, BLOCK: tl.constexpr):
         """Per input sample p of one (batch, channel) row: the upsampled samples 2p and 2p+1 (6-tap polyphase
-        sums; the upsampler's replicate padding as clamped indices), through SnakeBeta."""
+        sums; the upsampler's replicate padding as clamped indices), through SnakeBeta, stored interleaved
+        (one contiguous store)."""
         row = tl.program_id(0).to(tl.int64)
         p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = p < length
@@ -44,22 +45,26 @@ if triton is not None:
         inv_beta = tl.load(INV_BETA + channel)
         wave_even = tl.sin(even * alpha)
         wave_odd = tl.sin(odd * alpha)
-        s = S + row * 2 * length + 2 * p
-        tl.store(s, even + inv_beta * wave_even * wave_even, mask=ok)
-        tl.store(s + 1, odd + inv_beta * wave_odd * wave_odd, mask=ok)
+        both = tl.interleave(even + inv_beta * wave_even * wave_even, odd + inv_beta * wave_odd * wave_odd)
+        n = 2 * tl.program_id(1) * BLOCK + tl.arange(0, 2 * BLOCK)
+        tl.store(S + row * 2 * length + n, both, mask=n < 2 * length)
 
     @triton.jit
     def _downsample_kernel(S, Y, DOWN, length, BLOCK: tl.constexpr):
-        """Output t: the 12-tap low-pass at upsampled samples 2t-5 .. 2t+6 (replicate padding: clamped)."""
+        """Output t: the 12-tap low-pass at upsampled samples 2t-5 .. 2t+6 (replicate padding: clamped), read
+        as 7 [BLOCK, 2] tiles of consecutive (even, odd) pairs: contiguous loads."""
         row = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = t < length
         s = S + row * 2 * length
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for m in tl.static_range(12):
-            n = tl.minimum(tl.maximum(2 * t - 5 + m, 0), 2 * length - 1)
-            acc += tl.load(DOWN + m) * tl.load(s + n, mask=ok, other=0.0)
-        tl.store(Y + row * length + t, acc, mask=ok)
+        parity = tl.arange(0, 2)
+        acc = tl.zeros([BLOCK, 2], dtype=tl.float32)
+        for j in tl.static_range(7):  # the pair at 2(t + j - 3): taps m = 2j + parity - 1 (m = -1, 12: none)
+            tap = 2 * j + parity - 1
+            weight = tl.load(DOWN + tap, mask=(tap >= 0) & (tap < 12), other=0.0)
+            n = tl.minimum(tl.maximum(2 * (t[:, None] + j - 3) + parity[None, :], 0), 2 * length - 1)
+            acc += weight[None, :] * tl.load(s + n, mask=ok[:, None], other=0.0)
+        tl.store(Y + row * length + t, tl.sum(acc, axis=1), mask=ok)
 
 
 def fused_available(x: torch.Tensor) -> bool:

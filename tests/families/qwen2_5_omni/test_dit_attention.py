@@ -73,3 +73,27 @@ def test_padding_past_each_sequences_length_changes_nothing_before_it(monkeypatc
     for row, n in enumerate(lengths):
         alone = dense_reference(*qkv[row : row + 1, :n].unbind(2), 24, *reach)
         torch.testing.assert_close(got[row : row + 1, :n], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["sdpa", "triton"])
+def test_rotary_on_the_first_heads_equals_rotating_before_attention(monkeypatch, path: str) -> None:
+    """The DiT rotates head 0 of query and key: the kernel does it as it loads them, the torch path in place
+    before attending. Both equal rotating by hand, then attending; a kernel rotating nothing (or every head)
+    would not."""
+    if path == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(kernels, "fused_available", lambda qkv: True)
+    torch.manual_seed(1)
+    frames, dim = 50, 16
+    qkv = torch.randn(2, frames, 3, 2, dim, device=DEVICE)
+    angles = torch.arange(frames, device=DEVICE)[:, None] * torch.rand(dim // 2, device=DEVICE).repeat(2)[None]
+    cos, sin = angles.cos(), angles.sin()
+    by_hand = qkv.clone()
+    q0, k0 = by_hand[:, :, 0, 0], by_hand[:, :, 1, 0]
+    for x in (q0, k0):
+        x.copy_(x * cos + torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1) * sin)
+    expected = dense_reference(*by_hand.unbind(2), 24, 1, 0)
+    mask = kernels.block_window_mask(frames, 24, 1, 0, DEVICE)
+    got = kernels.block_attention(qkv.clone(), 24, 1, 0, mask, rotary=(cos, sin, 1))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, dense_reference(*qkv.unbind(2), 24, 1, 0), atol=1e-3)
