@@ -241,7 +241,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                 {**{k: r[k] and round(r[k], 3) for k in events}, "chunks": r["chunks"]} for r in results]}
             return results, wall
 
-        asyncio.run(wave(1))  # warm-up
+        for n in sorted({1, max(concurrency)}):  # warm-up: kernels compiled and tuned for every batch shape seen
+            asyncio.run(wave(n))
         for n in concurrency:
             before = engine.stats()
             runs = [asyncio.run(wave(n)) for _ in range(3 if n == 1 else 1)]

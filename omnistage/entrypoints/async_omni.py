@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +46,8 @@ class AsyncOmni:
         """Yield the request's deltas; the last has `finished` set. Raises RequestError before
         yielding anything if the request cannot be served. Leaving early aborts the request in
         every stage."""
-        loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[OmniOutput] = asyncio.Queue()
-        sink = lambda out: loop.call_soon_threadsafe(deltas.put_nowait, out)
+        sink = _LoopPost.of(asyncio.get_running_loop()).sender(deltas)
         # Admission runs the family's preprocessing (media fetch and decode, HF processors): off the
         # event loop. If the caller leaves meanwhile, the request is aborted once it is in.
         admitted = asyncio.ensure_future(asyncio.to_thread(self.orchestrator.submit, request, sink))
@@ -72,3 +73,42 @@ class AsyncOmni:
 
     def shutdown(self) -> None:
         self.orchestrator.shutdown()
+
+
+class _LoopPost:
+    """Hands stage outputs from worker threads to one event loop's request queues, one loop wake-up per burst:
+    a stage step yields a delta for every request in its batch, and waking the loop (a syscall, then a thread
+    switch) once per delta makes the loop's thread fight the stage threads for the interpreter 32 times a step
+    at 32 concurrent requests. The first delta of a burst schedules a drain; later ones only join its list."""
+
+    _posts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPost] = weakref.WeakKeyDictionary()
+    _posts_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, OmniOutput]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopPost:
+        with cls._posts_lock:
+            post = cls._posts.get(loop)
+            if post is None:
+                post = cls._posts[loop] = cls(loop)
+            return post
+
+    def sender(self, queue: asyncio.Queue) -> Callable[[OmniOutput], None]:
+        return lambda out: self.send(queue, out)
+
+    def send(self, queue: asyncio.Queue, out: OmniOutput) -> None:
+        with self.lock:
+            self.pending.append((queue, out))
+            if len(self.pending) > 1:
+                return  # a drain is already scheduled
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, out in pending:
+            queue.put_nowait(out)

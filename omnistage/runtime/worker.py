@@ -9,6 +9,7 @@ an error naming the stage, and reports its exit so the orchestrator can restart 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -56,34 +57,47 @@ class EngineLoop:
     """Applies queued commands, steps the engine while it has work, and reports each iteration's
     outputs and stats. Only the loop's thread touches the engine."""
 
+    MIN_APPLY_SECONDS = 0.002  # commands applied per iteration while the engine has work: at least this long
+
     def __init__(self, stage: str, engine: Engine, report: Report,
                  receive: Callable[[Any], StageInput] | None = None):
         self.stage, self.engine, self.report = stage, engine, report
         self.receive = receive or (lambda inp: inp)  # what the host does with an input before the engine sees it
         self.commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.backlog: collections.deque[tuple[str, Any]] = collections.deque()  # taken off `commands`, not applied
         # Loop metrics, reported with the engine's stats: step count and time, outputs per step, and the
         # loop's time outside steps: applying commands (inputs arriving) and reporting (routing outputs on).
         self.steps, self.step_seconds, self.step_outputs = 0, 0.0, 0
         self.command_seconds = self.report_seconds = 0.0
 
     def run(self) -> None:
-        """Until a "stop" command. Exceptions (a broken engine) propagate to the host."""
+        """Until a "stop" command. Exceptions (a broken engine) propagate to the host.
+
+        Commands are applied in arrival order, but while the engine has work for at most about as long as its
+        last step took (and at least one): a stream of input chunks (a talker fed a row per request per thinker
+        step) then shares the thread with steps instead of holding them off until it dries up."""
         self.report([], self.stats())
+        backlog, last_step = self.backlog, 0.0
         while True:
             outputs: list[StageOutput] = []
-            commands = self._drain(block=not self.engine.has_work())
+            backlog += self._drain(block=not backlog and not self.engine.has_work())
             start = time.perf_counter()
-            for kind, arg in commands:
+            budget = start + max(self.MIN_APPLY_SECONDS, last_step)
+            while backlog:
+                kind, arg = backlog.popleft()
                 if kind == "stop":
                     self.engine.shutdown()
                     return
                 outputs += self._apply(kind, arg)
+                if backlog and time.perf_counter() > budget and self.engine.has_work():
+                    break
             self.command_seconds += time.perf_counter() - start
             if self.engine.has_work():
                 start = time.perf_counter()
                 stepped = self.engine.step()
+                last_step = time.perf_counter() - start
                 self.steps += 1
-                self.step_seconds += time.perf_counter() - start
+                self.step_seconds += last_step
                 self.step_outputs += len(stepped)
                 outputs += stepped
             start = time.perf_counter()
@@ -93,7 +107,8 @@ class EngineLoop:
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "steps": self.steps, "step_seconds": self.step_seconds,
                 "step_outputs": self.step_outputs, "command_seconds": self.command_seconds,
-                "report_seconds": self.report_seconds, "commands_queued": self.commands.qsize()}
+                "report_seconds": self.report_seconds,
+                "commands_queued": self.commands.qsize() + len(self.backlog)}
 
     def _apply(self, kind: str, arg: Any) -> list[StageOutput]:
         if kind == "add":

@@ -162,8 +162,14 @@ class TalkerLM(hf.HFCausalLM):
     def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
         """First input: the whole prompt; later chunks: more reply rows (and the end of the reply)."""
         t = inp.tensors
-        rows = (t["thinker_last"] + t["thinker_embed"]).to(self.device, self.kv_spec.dtype) if "thinker_last" in t \
-            else None
+        if "thinker_reply" in t:  # later rows, summed by the sender
+            rows = t["thinker_reply"]
+        elif "thinker_last" in t:
+            rows = t["thinker_last"] + t["thinker_embed"]
+        else:
+            rows = None
+        if rows is not None and (rows.device != self.device or rows.dtype != self.kv_spec.dtype):
+            rows = rows.to(self.device, self.kv_spec.dtype)
         if first:
             prompt = t["prompt_ids"].tolist()
             n = len(prompt)
