@@ -54,6 +54,7 @@ class Orchestrator:
         self.restarts: Counter[tuple[str, int]] = Counter()
         self.finished: Counter[str] = Counter()  # requests by outcome: "ok", "error", "abort"
         self.closed = False
+        self._outbox: dict[StageWorker, list] | None = None  # sends of the step being routed (_send)
         self._restarting = threading.RLock()  # one restart at a time
         try:
             for spec in pipeline.stages:
@@ -170,31 +171,53 @@ class Orchestrator:
     # ---- routing --------------------------------------------------------------------------
 
     def _send(self, state: _RequestState, stage: str, inp: StageInput) -> None:
+        """To the request's replica of `stage` (chosen now if it has none). While a step's outputs are routed,
+        collected per worker in `_outbox`, for one add_many when the step's routing ends."""
         if stage in state.replica:
-            self.workers[stage][state.replica[stage]].add_input_chunk(inp.request_id, inp)
-            return
-        loads = self.load[stage]
-        live = [r for r, w in enumerate(self.workers[stage]) if w.is_alive()]
-        if not live:
-            raise StageError(f"stage {stage!r} has no live replica (restarting?); try again shortly", status=503)
-        replica = min(live, key=loads.__getitem__)  # least outstanding requests
-        loads[replica] += 1
-        state.replica[stage] = replica
-        state.metrics[stage] = StageMetrics(stage)
-        self.workers[stage][replica].add_request(inp)
+            worker = self.workers[stage][state.replica[stage]]
+            command = ("chunk", (inp.request_id, inp))
+        else:
+            loads = self.load[stage]
+            live = [r for r, w in enumerate(self.workers[stage]) if w.is_alive()]
+            if not live:
+                raise StageError(f"stage {stage!r} has no live replica (restarting?); try again shortly", status=503)
+            replica = min(live, key=loads.__getitem__)  # least outstanding requests
+            loads[replica] += 1
+            state.replica[stage] = replica
+            state.metrics[stage] = StageMetrics(stage)
+            worker = self.workers[stage][replica]
+            command = ("add", inp)
+        if self._outbox is not None:
+            self._outbox.setdefault(worker, []).append(command)
+        elif command[0] == "add":
+            worker.add_request(inp)
+        else:
+            worker.add_input_chunk(inp.request_id, inp)
 
     def _release(self, state: _RequestState, abort: bool) -> None:
+        if abort and self._outbox:  # inputs of this request not handed over yet: never hand them over
+            rid = state.request.request_id
+            for commands in self._outbox.values():
+                commands[:] = [c for c in commands if (c[1].request_id if c[0] == "add" else c[1][0]) != rid]
         for stage, replica in state.replica.items():
             self.load[stage][replica] -= 1
             if abort:
                 self.workers[stage][replica].abort(state.request.request_id)
 
     def _on_outputs(self, stage: str, replica: int, outputs: list[StageOutput]) -> None:
+        """One step's outputs of a replica: routed on under the lock, each next stage's inputs handed over
+        together (add_many)."""
         with self.lock:
-            for out in outputs:
-                state = self.requests.get(out.request_id)
-                if state is not None and state.replica.get(stage) == replica:
-                    self._route(state, stage, out)
+            self._outbox = {}
+            try:
+                for out in outputs:
+                    state = self.requests.get(out.request_id)
+                    if state is not None and state.replica.get(stage) == replica:
+                        self._route(state, stage, out)
+            finally:
+                outbox, self._outbox = self._outbox, None
+                for worker, commands in outbox.items():
+                    worker.add_many(commands)
 
     def _route(self, state: _RequestState, stage: str, out: StageOutput) -> None:
         metrics = state.metrics[stage]

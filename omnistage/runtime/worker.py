@@ -40,6 +40,10 @@ class StageWorker(Protocol):
 
     def add_input_chunk(self, request_id: str, chunk: StageInput) -> None: ...
 
+    def add_many(self, commands: list[tuple[str, Any]]) -> None:
+        """("add", inp) and ("chunk", (request_id, chunk)) commands, in order: one stage step's sends at once."""
+        ...
+
     def abort(self, request_id: str) -> None: ...
 
     def wait_ready(self, timeout: float) -> None:
@@ -123,6 +127,8 @@ class EngineLoop:
                 )]
         elif kind == "chunk":
             self.engine.add_input_chunk(arg[0], self.receive(arg[1]))
+        elif kind == "many":  # commands handed over together (InlineStageWorker.add_many)
+            return [out for k, a in self.receive(arg) for out in self._apply(k, a)]
         elif kind == "abort":
             self.engine.abort(arg)
         elif kind == "fail":  # a StageOutput with an error, found before the engine saw the request
@@ -179,9 +185,10 @@ class InFlight:
 
 @dataclass
 class _Written:
-    """An input whose GPU tensors were written on another thread's CUDA stream, up to `event`."""
+    """Inputs (an input, or add_many's commands) whose GPU tensors were written on another thread's CUDA stream,
+    up to `event`."""
 
-    inp: StageInput
+    inp: StageInput | list[tuple[str, Any]]
     tensors: list[torch.Tensor]
     event: torch.cuda.Event
 
@@ -226,17 +233,29 @@ class InlineStageWorker:
     def add_input_chunk(self, request_id: str, chunk: StageInput) -> None:
         self.loop.commands.put(("chunk", (request_id, self._hand_over(chunk))))
 
+    def add_many(self, commands: list[tuple[str, Any]]) -> None:
+        """One hand-over (one event, one wait) for all: per command, the CUDA calls of a hand-over cost more
+        than the rest of routing a token when stage threads contend for the interpreter."""
+        for kind, arg in commands:
+            if kind == "add":
+                self.inflight.add(arg.request_id)
+        inputs = [arg if kind == "add" else arg[1] for kind, arg in commands]
+        tensors = [t for inp in inputs for t in _cuda_tensors(inp)] if self.stream is not None else []
+        self.loop.commands.put(("many", self._written(commands, tensors) if tensors else commands))
+
     def _hand_over(self, inp: StageInput) -> StageInput | _Written:
         """Called on the sender's thread: mark how far its stream has written the input's GPU tensors."""
         tensors = _cuda_tensors(inp) if self.stream is not None else []
-        if not tensors:
-            return inp
+        return self._written(inp, tensors) if tensors else inp
+
+    @staticmethod
+    def _written(inp: StageInput | list[tuple[str, Any]], tensors: list[torch.Tensor]) -> _Written:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(tensors[0].device))
         return _Written(inp, tensors, event)
 
-    def _receive(self, arg: StageInput | _Written) -> StageInput:
-        """Called on this stage's thread, before its engine sees the input."""
+    def _receive(self, arg: StageInput | list | _Written) -> StageInput | list:
+        """Called on this stage's thread, before its engine sees the input(s)."""
         if not isinstance(arg, _Written):
             return arg
         # This thread's stream on each device holding them: ours on our device; on another (tensors this stage

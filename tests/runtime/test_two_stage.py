@@ -85,3 +85,32 @@ def test_abort_reaches_every_stage(two_stage_path: str, backend: str) -> None:
         assert all(s["kv_blocks_used"] == 0 and s["num_running"] == 0 for s in stats.values()), stats
     finally:
         engine.shutdown()
+
+
+def test_one_steps_sends_reach_a_stage_together(two_stage_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft's outputs of one step (three requests) reach refine in one hand-over, results unchanged; an
+    input still waiting in that hand-over when its request fails is dropped rather than sent after the abort."""
+    from omnistage.engine.types import StageInput
+    from omnistage.runtime.orchestrator import _RequestState
+
+    deploy = {"worker_backend": "inline", "async_chunk": True, "stages": {"*": {"max_model_len": 128}}}
+    stage_params = {"draft": SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                    "refine": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)}
+    with Omni(two_stage_path, deploy) as omni:
+        orchestrator = omni.orchestrator
+        refine = orchestrator.workers["refine"][0]
+        batches: list[int] = []
+        add_many = refine.add_many
+        monkeypatch.setattr(refine, "add_many", lambda commands: (batches.append(len(commands)), add_many(commands)))
+        prompts = [omni.tokenizer.encode(p) for p in PROMPTS]
+        results = omni.generate(prompts, stage_params)
+        assert [r.token_ids for r in results] == hf_chain(two_stage_path, prompts, 10, 6)
+        assert max(batches) == 3 and len(batches) < sum(batches), batches  # hand-overs < inputs handed over
+
+        kept, dropped = StageInput("kept"), StageInput("dropped")
+        state = _RequestState(OmniRequest(request_id="dropped", prompt="x"), sink=lambda out: None, stages=[],
+                              pending_outputs=set())
+        orchestrator._outbox = {refine: [("add", kept), ("add", dropped), ("chunk", ("dropped", dropped))]}
+        orchestrator._release(state, abort=True)
+        assert orchestrator._outbox[refine] == [("add", kept)]
+        orchestrator._outbox = None
