@@ -31,8 +31,9 @@ class StageInput:
     # Added to the input embeddings of generated tokens, one row per generated position in order (a
     # talker reading its thinker's reply as it is written). Such a request's prompt is whole from the
     # start and `final` speaks of these rows: chunks append rows, and once `final` is set,
-    # `embed_add_default` serves every position after the last row.
-    embed_adds: torch.Tensor | None = None
+    # `embed_add_default` serves every position after the last row. A tuple of equal-shape tensors adds their
+    # sum: the engine sums the rows of a whole step at once (a sender does not launch a kernel per request).
+    embed_adds: torch.Tensor | tuple[torch.Tensor, ...] | None = None
     embed_add_default: torch.Tensor | None = None
 
 

@@ -95,6 +95,11 @@ def test_added_embeddings_streamed_with_stalls(engine, hf) -> None:
     chunks = [StageInput("b", embed_adds=rows[1:2], final=False),
               StageInput("b", embed_adds=rows[2:], embed_add_default=default, final=True)]
     assert run(engine, first, chunks={"b": chunks})["b"] == expected
+    # rows given as parts (a sender's two tensors, summed per step by the engine), between whole rows
+    halves = [StageInput("c", embed_adds=(rows[1:2] - 1.0, torch.ones(1, hf.config.hidden_size)), final=False),
+              StageInput("c", embed_adds=rows[2:], embed_add_default=default, final=True)]
+    first = StageInput("c", PROMPT, params=GREEDY, embed_adds=rows[:1], final=False)
+    assert run(engine, first, chunks={"c": halves})["c"] == expected
     assert expected != hf_greedy(hf, PROMPT, 8)
 
 
@@ -103,3 +108,12 @@ def test_bad_token_ids_are_never_sampled(engine) -> None:
     banned = GREEDY.with_overrides(bad_token_ids=plain[:2])
     got = run(engine, StageInput("b", PROMPT, params=banned))["b"]
     assert not set(got) & set(plain[:2])
+
+
+def test_a_steps_added_rows_mix_whole_rows_and_parts() -> None:
+    from omnistage.engine.ar.model_runner import ModelRunner
+
+    a, b, c, d, e = (torch.randn(6) for _ in range(5))
+    got = ModelRunner._stacked_adds([a, (b, c), d, (e, a, b)])
+    torch.testing.assert_close(got, torch.stack([a, b + c, d, e + a + b]))
+    torch.testing.assert_close(ModelRunner._stacked_adds([(b, c), (d, e)]), torch.stack([b + c, d + e]))

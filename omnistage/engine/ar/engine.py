@@ -175,7 +175,9 @@ class AREngine:
         if inp.rope_delta is not None:
             seq.rope_delta = inp.rope_delta
         if seq.embed_adds is not None:
-            if inp.embed_adds is not None:
+            if isinstance(inp.embed_adds, tuple):  # parts of each row, summed at step time
+                seq.embed_adds.extend(zip(*inp.embed_adds, strict=True))
+            elif inp.embed_adds is not None:
                 seq.embed_adds.extend(inp.embed_adds)
             if inp.embed_add_default is not None:
                 seq.embed_add_default = inp.embed_add_default

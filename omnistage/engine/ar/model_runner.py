@@ -225,11 +225,30 @@ class ModelRunner:
         if not (p.embed_rows or p.add_rows):
             return None
         embeds = self.model.embed(token_ids)
-        for rows, values, op in ((p.embed_rows, p.embed_values, embeds.index_copy_),
-                                 (p.add_rows, p.add_values, embeds.index_add_)):
-            if rows:
-                op(0, self._tensor(rows), torch.stack(values).to(device=self.device, dtype=embeds.dtype))
+        if p.embed_rows:
+            embeds.index_copy_(0, self._tensor(p.embed_rows),
+                               torch.stack(p.embed_values).to(device=self.device, dtype=embeds.dtype))
+        if p.add_rows:
+            embeds.index_add_(0, self._tensor(p.add_rows),
+                              self._stacked_adds(p.add_values).to(device=self.device, dtype=embeds.dtype))
         return embeds
+
+    @staticmethod
+    def _stacked_adds(values: list[torch.Tensor | tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """A step's added rows as one tensor; rows given as parts (a tuple) are summed here, a few kernels for
+        the whole step rather than one per request."""
+        if all(isinstance(v, torch.Tensor) for v in values):
+            return torch.stack(values)
+        parts = [v if isinstance(v, tuple) else (v,) for v in values]
+        out = torch.stack([p[0] for p in parts])
+        for k in range(1, max(len(p) for p in parts)):
+            rows = [i for i, p in enumerate(parts) if len(p) > k]
+            more = torch.stack([parts[i][k] for i in rows])
+            if len(rows) == len(parts):
+                out += more
+            else:
+                out.index_add_(0, torch.tensor(rows, device=out.device), more)
+        return out
 
     def _rope(self, p: _Packed) -> torch.Tensor:
         """Rotary positions: [T], or [axes, T] when some token has explicit multi-axis positions."""
@@ -363,7 +382,7 @@ class ModelRunner:
         if self._dev_adds is not None:  # rows without an addition add zero, exactly
             self._dev_adds[:size].zero_()
             if p.add_rows:
-                values = torch.stack(p.add_values).to(device=self.device, dtype=self._dev_adds.dtype)
+                values = self._stacked_adds(p.add_values).to(device=self.device, dtype=self._dev_adds.dtype)
                 self._dev_adds.index_copy_(0, self._tensor(p.add_rows), values)
         graph, logits, argmax, layers = self.graphs[size]
         graph.replay()

@@ -36,7 +36,8 @@ class Sequence:
     return_hidden: bool = False  # output the engine's configured hidden-state layers for its tokens
     rope_positions: torch.Tensor | None = None  # [axes, n] rotary positions of the first n tokens
     rope_delta: int = 0  # rotary position of later tokens: index + delta
-    embed_adds: list[torch.Tensor] | None = None  # added to generated positions' embeddings, in order
+    # added to generated positions' embeddings, in order; a tuple: parts summed at step time
+    embed_adds: list[torch.Tensor | tuple[torch.Tensor, ...]] | None = None
     embed_add_default: torch.Tensor | None = None
     adds_final: bool = True  # no more `embed_adds` rows will arrive
     num_prompt_tokens: int = 0
@@ -80,7 +81,7 @@ class Sequence:
         """Whether its K/V depend on the token ids alone (so blocks may be shared by prefix)."""
         return not self.embeds and self.rope_positions is None and not self.rope_delta and self.embed_adds is None
 
-    def embed_add(self, pos: int) -> torch.Tensor | None:
+    def embed_add(self, pos: int) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         if self.embed_adds is None or pos < self.num_prompt_tokens:
             return None
         i = pos - self.num_prompt_tokens

@@ -195,9 +195,7 @@ def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOu
     # Runs once per thinker token per request on the thinker's loop: only what this chunk needs.
     cfg, params = pipeline.config.talker_config, None
     tensors = {}
-    if rows and feed["open"]:  # reply rows: the talker adds their sum, one tensor to hand over
-        tensors["thinker_reply"] = torch.add(_joined(feed["last"]), _joined(feed["embed"]))
-    elif rows:  # the prompt's rows too: the talker masks media positions of the embeddings first
+    if rows:  # no kernels here (a request per output): the talker sums a step's rows at once
         tensors["thinker_embed"], tensors["thinker_last"] = _joined(feed["embed"]), _joined(feed["last"])
     feed["embed"], feed["last"] = [], []
     if not feed["open"] or out.finished:  # the talker reads the text ids when it opens and at the reply's end

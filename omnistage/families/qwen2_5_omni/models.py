@@ -162,14 +162,15 @@ class TalkerLM(hf.HFCausalLM):
     def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
         """First input: the whole prompt; later chunks: more reply rows (and the end of the reply)."""
         t = inp.tensors
-        if "thinker_reply" in t:  # later rows, summed by the sender
-            rows = t["thinker_reply"]
-        elif "thinker_last" in t:
-            rows = t["thinker_last"] + t["thinker_embed"]
-        else:
-            rows = None
-        if rows is not None and (rows.device != self.device or rows.dtype != self.kv_spec.dtype):
-            rows = rows.to(self.device, self.kv_spec.dtype)
+        if not first and not inp.final:  # more reply rows: (last, embed) parts the engine sums a step at a time
+            last, embed = t.get("thinker_last"), t.get("thinker_embed")
+            if last is not None and (last.device != self.device or last.dtype != self.kv_spec.dtype):
+                inp.embed_adds = (last + embed).to(self.device, self.kv_spec.dtype)  # another GPU's rows
+            else:
+                inp.embed_adds = None if last is None else (last, embed)
+            return inp
+        rows = (t["thinker_last"] + t["thinker_embed"]).to(self.device, self.kv_spec.dtype) if "thinker_last" in t \
+            else None
         if first:
             prompt = t["prompt_ids"].tolist()
             n = len(prompt)
