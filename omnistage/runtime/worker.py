@@ -260,7 +260,7 @@ class InlineStageWorker:
             return arg
         # This thread's stream on each device holding them: ours on our device; on another (tensors this stage
         # copies over from there), that device's stream in this thread, where torch runs the copy.
-        streams = {tensor.device: torch.cuda.current_stream(tensor.device) for tensor in arg.tensors}
+        streams = {device: torch.cuda.current_stream(device) for device in {t.device for t in arg.tensors}}
         for stream in streams.values():
             stream.wait_event(arg.event)
         for tensor in arg.tensors:

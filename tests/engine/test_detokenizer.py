@@ -29,3 +29,22 @@ def test_stop_string_is_held_back_and_cut(tiny_qwen2: str) -> None:
         streamed += det.take(final=False)
     streamed += det.take(final=True)
     assert streamed == "Grüße, naïve "
+
+
+def test_the_backend_decode_equals_transformers_decode(tiny_qwen2: str, tiny_qwen2_5_omni: str) -> None:
+    """The detokenizer calls the Rust tokenizer directly (transformers' wrapper costs more than the decoding);
+    on windows of ids with special tokens, multi-byte pieces and both settings it gives transformers' text."""
+    import random
+
+    from omnistage.engine.ar.detokenizer import backend_decode
+
+    for path in (tiny_qwen2, tiny_qwen2_5_omni):
+        tok = AutoTokenizer.from_pretrained(path)
+        ids = tok.encode(TEXT) + tok.all_special_ids + tok.encode(" more text 🎉")
+        rng = random.Random(0)
+        for skip in (True, False):
+            fast = backend_decode(tok, skip)
+            assert fast is not None
+            for _ in range(200):
+                window = rng.sample(ids, rng.randint(1, 8))
+                assert fast(window) == tok.decode(window, skip_special_tokens=skip)

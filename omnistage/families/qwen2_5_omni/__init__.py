@@ -141,8 +141,7 @@ class OmniPipeline(TextPipeline):
             thinker = self.config.thinker_config
             media_ids = [thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id]
             model = models.TalkerLM(talker, dict(zip(text_ids, table, strict=True)), media_ids)
-            eos = (talker_cfg.tts_codec_pad_token_id, talker_cfg.tts_codec_end_token_id)
-            return ar_engine(stage, cfg, model, talker_cfg, None, eos)
+            return ar_engine(stage, cfg, model, talker_cfg, None, tuple(sorted(self.codec_stops)))
         if stage == "token2wav":
             dit_dtype = torch.float32 if cfg.dtype == "auto" else getattr(torch, cfg.dtype)  # fp32 unless asked
             t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev, dit_dtype)
@@ -167,11 +166,17 @@ class OmniPipeline(TextPipeline):
         return params.with_overrides(bad_token_ids=sorted({*params.bad_token_ids, *self.undecodable_codes}))
 
     @functools.cached_property
+    def codec_stops(self) -> frozenset[int]:
+        """The talker's end and padding codes: never sent to token2wav."""
+        cfg = self.config.talker_config
+        return frozenset({cfg.tts_codec_pad_token_id, cfg.tts_codec_end_token_id})
+
+    @functools.cached_property
     def undecodable_codes(self) -> tuple[int, ...]:
         cfg = self.config.talker_config
         decodable = self.config.token2wav_config.dit_config.num_embeds  # ids 0..num_embeds embed
-        stops = {cfg.tts_codec_end_token_id, cfg.tts_codec_pad_token_id}
-        return (cfg.tts_codec_start_token_id, *(i for i in range(decodable + 1, cfg.vocab_size) if i not in stops))
+        return (cfg.tts_codec_start_token_id,
+                *(i for i in range(decodable + 1, cfg.vocab_size) if i not in self.codec_stops))
 
 
 def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:
@@ -222,8 +227,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:
     """Codes (without the talker's stop codes) for token2wav: all at the end, or as they come when the
     token2wav stage decodes in windows."""
-    cfg = pipeline.config.talker_config
-    stop = {cfg.tts_codec_pad_token_id, cfg.tts_codec_end_token_id}
+    stop = pipeline.codec_stops  # runs once per code per request: no config attribute reads here
     codes = [c for c in out.token_ids if c not in stop]
     if not codes and not out.finished:
         return None
