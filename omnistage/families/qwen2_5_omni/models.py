@@ -255,6 +255,7 @@ class Token2Wav:
                                  context=tf32_matmuls if tf32 else contextlib.nullcontext)
         self.vocode = BatchGraphs(self._vocode, max_batch, pool=pool)
         self.solve_lengths: list[int] = []  # codes per window the solve has graphs for (warm_up)
+        self._window_at: dict[int, int] = {}  # _next_window's answers
 
     def warm_up(self) -> None:
         """Capture the solve and vocoder graphs (no-op without graphs): seconds at start-up, none while serving."""
@@ -300,13 +301,16 @@ class Token2Wav:
             size = min(2 * size, self.max_window)
 
     def _next_window(self, done: int) -> int:
-        """The size of the window that starts after `done` codes (always a window boundary)."""
-        start = 0
-        for size in self._window_sizes():
-            if start >= done:
-                return size
-            start += size
-        raise AssertionError("unreachable")
+        """The size of the window that starts after `done` codes (always a window boundary). Asked for every
+        waiting request whenever codes arrive, so remembered."""
+        if done not in self._window_at:
+            start = 0
+            for size in self._window_sizes():
+                if start >= done:
+                    self._window_at[done] = size
+                    break
+                start += size
+        return self._window_at[done]
 
     def ready(self, inp: StageInput) -> bool:
         done = inp.params.get("emitted", 0)
