@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omnistage.engine.types import StageInput, StageOutput
-from omnistage.errors import RequestError, StageError
+from omnistage.errors import OmniError, RequestError, StageError
 from omnistage.families.base import Pipeline
 from omnistage.runtime.messages import OmniOutput, OmniRequest, StageMetrics
 from omnistage.runtime.worker import ExitCallback, OutputCallback, StageWorker
@@ -187,7 +187,7 @@ class Orchestrator:
             state.metrics[stage] = StageMetrics(stage)
             worker = self.workers[stage][replica]
             command = ("add", inp)
-        if self._outbox is not None:
+        if self._outbox is not None and hasattr(worker, "add_many"):
             self._outbox.setdefault(worker, []).append(command)
         elif command[0] == "add":
             worker.add_request(inp)
@@ -217,7 +217,20 @@ class Orchestrator:
             finally:
                 outbox, self._outbox = self._outbox, None
                 for worker, commands in outbox.items():
-                    worker.add_many(commands)
+                    self._hand_over(worker, commands)
+
+    def _hand_over(self, worker: StageWorker, commands: list) -> None:
+        try:
+            worker.add_many(commands)
+        except Exception as exc:  # the stage could not take them: those requests fail, the others go on
+            logger.exception("stage %r could not take its inputs", worker.stage)
+            status = exc.status if isinstance(exc, OmniError) else 500
+            for rid in {c[1].request_id if c[0] == "add" else c[1][0] for c in commands}:
+                state = self.requests.get(rid)
+                if state is not None:
+                    self._finish(state, OmniOutput(rid, finish_reason="error", error=f"stage {worker.stage!r} "
+                                                   f"could not take the request: {exc}", error_status=status),
+                                 abort=True)
 
     def _route(self, state: _RequestState, stage: str, out: StageOutput) -> None:
         metrics = state.metrics[stage]

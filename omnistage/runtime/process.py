@@ -190,10 +190,6 @@ class ProcessStageWorker:
     def add_input_chunk(self, request_id: str, chunk: StageInput) -> None:
         self._send(control.Chunk, request_id, chunk)
 
-    def add_many(self, commands: list[tuple[str, Any]]) -> None:
-        for kind, arg in commands:
-            self.add_request(arg) if kind == "add" else self.add_input_chunk(*arg)
-
     def abort(self, request_id: str) -> None:
         self.inflight.discard(request_id)
         if self._dead is None and self._ready.is_set():

@@ -33,16 +33,15 @@ Report = Callable[[list[StageOutput], dict[str, Any]], None]  # (outputs, stats)
 
 
 class StageWorker(Protocol):
+    """Optionally also `add_many(commands)`: ("add", inp) and ("chunk", (request_id, chunk)) commands, in order,
+    handed over at once (one stage step's sends; the orchestrator uses it where a worker has it)."""
+
     stage: str
     replica: int
 
     def add_request(self, inp: StageInput) -> None: ...
 
     def add_input_chunk(self, request_id: str, chunk: StageInput) -> None: ...
-
-    def add_many(self, commands: list[tuple[str, Any]]) -> None:
-        """("add", inp) and ("chunk", (request_id, chunk)) commands, in order: one stage step's sends at once."""
-        ...
 
     def abort(self, request_id: str) -> None: ...
 

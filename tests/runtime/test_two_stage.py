@@ -114,3 +114,33 @@ def test_one_steps_sends_reach_a_stage_together(two_stage_path: str, monkeypatch
         orchestrator._release(state, abort=True)
         assert orchestrator._outbox[refine] == [("add", kept)]
         orchestrator._outbox = None
+
+
+def test_a_stage_refusing_a_hand_over_fails_those_requests_only(two_stage_path: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from omnistage.errors import StageError
+
+    deploy = {"worker_backend": "inline", "async_chunk": True, "stages": {"*": {"max_model_len": 128}}}
+    stage_params = {"draft": SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                    "refine": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)}
+    with Omni(two_stage_path, deploy) as omni:
+        refine = omni.orchestrator.workers["refine"][0]
+        add_many, refused = refine.add_many, []
+
+        def refuse_first(commands: list) -> None:
+            if not refused:
+                refused.append(commands)
+                raise StageError("refine is full", status=503)
+            add_many(commands)
+
+        monkeypatch.setattr(refine, "add_many", refuse_first)
+        prompts = [omni.tokenizer.encode(p) for p in PROMPTS]
+        results = omni.generate(prompts, stage_params)
+        failed = [r for r in results if r.error]
+        assert len(failed) == len(refused[0]) and all("refine is full" in r.error for r in failed)
+        expected = hf_chain(two_stage_path, prompts, 10, 6)
+        assert all(r.token_ids == e for r, e in zip(results, expected, strict=True) if not r.error)
+        monkeypatch.setattr(refine, "add_many", add_many)
+        again = omni.generate(prompts[:1], stage_params)
+        assert again[0].error is None and again[0].token_ids == hf_chain(two_stage_path, prompts[:1], 10, 6)[0]
+        assert all(s["num_running"] == 0 for s in omni.stats().values())
