@@ -217,7 +217,8 @@ class Orchestrator:
             finally:
                 outbox, self._outbox = self._outbox, None
                 for worker, commands in outbox.items():
-                    self._hand_over(worker, commands)
+                    if commands:  # (a failed request's may have been dropped)
+                        self._hand_over(worker, commands)
 
     def _hand_over(self, worker: StageWorker, commands: list) -> None:
         try:
