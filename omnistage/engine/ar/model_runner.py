@@ -257,7 +257,9 @@ class ModelRunner:
             return rope
         rows, values = zip(*p.rope_explicit, strict=True)
         multi = rope.expand(values[0].shape[0], -1).clone()
-        multi[:, self._tensor(list(rows))] = torch.stack(values, dim=1).to(device=self.device, dtype=multi.dtype)
+        explicit = torch.stack(values, dim=1)  # positions a model computed on the host go over asynchronously
+        explicit = to_device(explicit, self.device) if explicit.device.type == "cpu" else explicit.to(self.device)
+        multi[:, self._tensor(list(rows))] = explicit.to(multi.dtype)
         return multi
 
     @torch.inference_mode()

@@ -34,6 +34,7 @@ from torch import nn
 from transformers.initialization import no_init_weights
 
 from omnistage.engine.generation.graphs import BatchGraphs
+from omnistage.engine.transfer import to_device
 from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
@@ -88,13 +89,16 @@ class ThinkerLM(hf.HFCausalLM):
     def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
         if not first:
             return inp
+        # Applied on the stage's thread while its previous step may still run: host tensors go over through
+        # pinned memory and rotary positions are computed on the host, so nothing here waits for the device.
         t, device = inp.tensors, self.device
-        ids = torch.tensor([inp.token_ids], device=device)
+        host_ids = torch.tensor([inp.token_ids])
+        ids = to_device(host_ids, device)
         embeds = self.embed(ids[0])
         audio_lengths = None
         if "input_features" in t:
-            mask = t["feature_attention_mask"].to(device)
-            audio_lengths = mask.sum(-1)
+            audio_lengths = t["feature_attention_mask"].sum(-1)
+            mask = to_device(t["feature_attention_mask"], device)
             feats = self.thinker.model.get_audio_features(t["input_features"].to(device, embeds.dtype), mask,
                                                           return_dict=True).last_hidden_state
             embeds = _scatter(embeds, ids[0] == self.thinker.config.audio_token_id, feats, "audio")
@@ -106,9 +110,9 @@ class ThinkerLM(hf.HFCausalLM):
                 feats = torch.cat(list(out.pooler_output), dim=0)
                 embeds = _scatter(embeds, ids[0] == getattr(self.thinker.config, token), feats, kind)
         positions, deltas = self.thinker.get_rope_index(
-            ids, *_media_layout(t, device, ("image_grid_thw", "video_grid_thw")), torch.ones_like(ids),
+            host_ids, *_media_layout(t, ("image_grid_thw", "video_grid_thw")), torch.ones_like(host_ids),
             bool(t.get("use_audio_in_video", torch.tensor(False)).item()), audio_lengths,
-            *_media_layout(t, device, ("video_second_per_grid",)),
+            *_media_layout(t, ("video_second_per_grid",)),
         )
         inp.embeds = embeds
         inp.rope_positions = positions[:, 0]
@@ -116,10 +120,10 @@ class ThinkerLM(hf.HFCausalLM):
         return inp
 
 
-def _media_layout(tensors: dict[str, torch.Tensor], device: torch.device, names: tuple[str, ...]
-                  ) -> list[torch.Tensor | None]:
-    """The named media-layout tensors (the processor's, made on the host) on `device`; None where absent."""
-    return [tensors[name].to(device) if name in tensors else None for name in names]
+def _media_layout(tensors: dict[str, torch.Tensor], names: tuple[str, ...]) -> list[torch.Tensor | None]:
+    """The named media-layout tensors (the processor's) on the host, where rotary positions are computed; None
+    where absent."""
+    return [tensors[name].cpu() if name in tensors else None for name in names]
 
 
 def fused_forward(decoder: nn.Module):
@@ -151,12 +155,18 @@ class TalkerLM(hf.HFCausalLM):
         cfg = talker.config
         self.codec = {"bos": cfg.tts_codec_start_token_id, "pad": cfg.tts_codec_pad_token_id,
                       "mask": cfg.tts_codec_mask_token_id}
+        self._codec_rows: dict[str, torch.Tensor] = {}
+        self._text_rows: dict[int, torch.Tensor] = {}
 
     def _codec(self, name: str) -> torch.Tensor:
-        return self.embed(torch.tensor([self.codec[name]], device=self.device))[0]
+        if name not in self._codec_rows:  # a fixed embedding row: looked up once, not per request
+            self._codec_rows[name] = self.embed(to_device(torch.tensor([self.codec[name]]), self.device))[0]
+        return self._codec_rows[name]
 
     def _text(self, token_id: int) -> torch.Tensor:
-        return self.text_rows[token_id].to(self.device, self.kv_spec.dtype)
+        if token_id not in self._text_rows:  # on the device once, not per request
+            self._text_rows[token_id] = to_device(self.text_rows[token_id], self.device).to(self.kv_spec.dtype)
+        return self._text_rows[token_id]
 
     @torch.inference_mode()
     def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
@@ -174,8 +184,8 @@ class TalkerLM(hf.HFCausalLM):
         if first:
             prompt = t["prompt_ids"].tolist()
             n = len(prompt)
-            embed = t["thinker_embed"][:n].clone()
-            embed[torch.isin(t["prompt_ids"], torch.tensor(self.media_token_ids))] = 0
+            media = torch.isin(t["prompt_ids"], torch.tensor(self.media_token_ids))
+            embed = t["thinker_embed"][:n].masked_fill(to_device(media, t["thinker_embed"].device)[:, None], 0)
             prompt_rows = (t["thinker_last"][:n] + embed).to(self.device, self.kv_spec.dtype)
             bos_row = self._text(int(t["voice_bos"])) + self._codec("pad")
             # a one-token reply has no states for its token: the talker hears the reply end at once
@@ -183,11 +193,11 @@ class TalkerLM(hf.HFCausalLM):
             first_reply = reply0 + self._codec("bos")
             inp.embeds = torch.cat([prompt_rows, bos_row[None], first_reply[None]])
             inp.token_ids = [self.codec["mask"]] * n + [self.codec["pad"], self.codec["bos"]]
-            text_ids = torch.tensor([prompt + [int(t["voice_bos"]), int(t["first_token"])]], device=self.device)
+            text_ids = torch.tensor([prompt + [int(t["voice_bos"]), int(t["first_token"])]])  # on the host
             positions, deltas = self.talker.get_rope_index(
-                text_ids, *_media_layout(t, self.device, ("image_grid_thw", "video_grid_thw")),
+                text_ids, *_media_layout(t, ("image_grid_thw", "video_grid_thw")),
                 torch.ones_like(text_ids), bool(t.get("use_audio_in_video", torch.tensor(False)).item()),
-                *_media_layout(t, self.device, ("audio_lengths", "video_second_per_grid")),
+                *_media_layout(t, ("audio_lengths", "video_second_per_grid")),
             )
             inp.rope_positions, inp.rope_delta = positions[:, 0], int(deltas.view(-1)[0])
             rows = rows[n + 1 :]

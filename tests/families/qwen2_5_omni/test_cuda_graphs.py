@@ -135,3 +135,40 @@ def test_batch_graphs_fall_back_to_eager_when_a_capture_fails() -> None:
     assert doubling.capture(ones[:1]) and set(doubling.graphs) == {(1, 8), (2, 8), (4, 8)}
     assert torch.equal(doubling(ones * torch.arange(3, device="cuda")[:, None]),
                        2 * ones * torch.arange(3, device="cuda")[:, None])
+
+
+def test_first_inputs_are_prepared_without_waiting_for_the_device(tiny_qwen2_5_omni: str) -> None:
+    """A new request's thinker and talker inputs are prepared on the stage's thread while its previous step may
+    still run on the GPU: nothing in it may wait for the device (a pageable copy, a `.item()`), or every request
+    admitted under load costs a whole step."""
+    from omnistage.config.deploy import load_deploy_config
+    from omnistage.families.qwen2_5_omni import thinker_to_talker
+    from omnistage.families.registry import detect_family
+    from omnistage.runtime.messages import OmniRequest
+
+    family, info = detect_family(Path(tiny_qwen2_5_omni))
+    pipeline = family.pipeline(info, load_deploy_config({"stages": {"*": {"max_model_len": 256}}}))
+    thinker, talker = pipeline.build_engine("thinker"), pipeline.build_engine("talker")
+    request = OmniRequest(request_id="r", messages=[{"role": "user", "content": "Hello there."}],
+                          output_modalities=("text", "audio"))
+    inp = pipeline.preprocess(request)
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            prepared = thinker.runner.model.prepare_input(inp, first=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        thinker.add_request(prepared)  # the engine's own step may sync (sampling); the hand-off input is real
+        talker_inp = None
+        while talker_inp is None:  # the talker opens once the first reply token's states exist
+            for out in thinker.step():
+                talker_inp = thinker_to_talker(pipeline, request, out) or talker_inp
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            talker.runner.model.prepare_input(talker_inp, first=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        thinker.shutdown()
+        talker.shutdown()
