@@ -262,7 +262,9 @@ class InlineStageWorker:
         streams = {device: torch.cuda.current_stream(device) for device in {t.device for t in arg.tensors}}
         for stream in streams.values():
             stream.wait_event(arg.event)
-        for tensor in arg.tensors:
+        # The allocator tracks memory by storage: one record per storage (a step's rows for every request are
+        # views of one tensor), not per view.
+        for tensor in {id(base): base for base in (t if t._base is None else t._base for t in arg.tensors)}.values():
             tensor.record_stream(streams[tensor.device])
         return arg.inp
 
