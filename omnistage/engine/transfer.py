@@ -9,8 +9,9 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` on `device`, copied asynchronously through pinned memory on CUDA. A copy from pageable memory
     returns only once the device has drained its queue up to it: a per-step round trip, and with stages
     time-sharing one GPU each such wait can last a whole time slice of another process. (The pinned block
-    is reused only after the copy has run: PyTorch's host allocator records the stream.)"""
-    if device.type != "cuda":
+    is reused only after the copy has run: PyTorch's host allocator records the stream.) A tensor already on a
+    device is moved as usual."""
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import OmniError, RequestError, StageError
@@ -198,7 +199,7 @@ class Orchestrator:
         if abort and self._outbox:  # inputs of this request not handed over yet: never hand them over
             rid = state.request.request_id
             for commands in self._outbox.values():
-                commands[:] = [c for c in commands if (c[1].request_id if c[0] == "add" else c[1][0]) != rid]
+                commands[:] = [c for c in commands if _request_of(c) != rid]
         for stage, replica in state.replica.items():
             self.load[stage][replica] -= 1
             if abort:
@@ -226,7 +227,7 @@ class Orchestrator:
         except Exception as exc:  # the stage could not take them: those requests fail, the others go on
             logger.exception("stage %r could not take its inputs", worker.stage)
             status = exc.status if isinstance(exc, OmniError) else 500
-            for rid in {c[1].request_id if c[0] == "add" else c[1][0] for c in commands}:
+            for rid in {_request_of(c) for c in commands}:
                 state = self.requests.get(rid)
                 if state is not None:
                     self._finish(state, OmniOutput(rid, finish_reason="error", error=f"stage {worker.stage!r} "
@@ -292,3 +293,9 @@ class Orchestrator:
             state.sink(out)
         except Exception:  # e.g. the caller's event loop is gone; other requests go on
             logger.exception("could not deliver output of request %r", out.request_id)
+
+
+def _request_of(command: tuple[str, Any]) -> str:
+    """The request an ("add", inp) or ("chunk", (request_id, chunk)) command is for."""
+    kind, arg = command
+    return arg.request_id if kind == "add" else arg[0]

@@ -257,8 +257,7 @@ class ModelRunner:
             return rope
         rows, values = zip(*p.rope_explicit, strict=True)
         multi = rope.expand(values[0].shape[0], -1).clone()
-        explicit = torch.stack(values, dim=1)  # positions a model computed on the host go over asynchronously
-        explicit = to_device(explicit, self.device) if explicit.device.type == "cpu" else explicit.to(self.device)
+        explicit = to_device(torch.stack(values, dim=1), self.device)  # host-computed positions: asynchronously
         multi[:, self._tensor(list(rows))] = explicit.to(multi.dtype)
         return multi
 
