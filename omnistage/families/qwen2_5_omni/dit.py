@@ -36,6 +36,9 @@ class DiTSolver:
         self.head_dim = cfg.head_dim
         self.block_size, self.repeats = cfg.block_size, cfg.repeats
         self.reach = [(blk.look_backward_block, blk.look_ahead_block) for blk in dit.transformer_blocks]
+        # Layers that look back, and how many frames they reach before a window: what a kept context holds.
+        self.back_layers = [i for i, (back, _) in enumerate(self.reach) if back]
+        self.kept_frames = max((back for back, _ in self.reach), default=0) * self.block_size
         weight = next(dit.parameters())
         dtype, device = weight.dtype, weight.device
         # The time grid and RK4's evaluation points, as transformers' solver computes them.
@@ -83,25 +86,42 @@ class DiTSolver:
         encoder = self.dit.input_embed.spk_encoder
         return torch.stack([encoder(ref_mel), encoder(torch.zeros_like(ref_mel))], dim=1)
 
+    def kept_shape(self) -> tuple[int, ...]:
+        """One window's kept context (`solve`'s `kept` and second output, batch dim first): key and value of
+        its last `kept_frames` frames in each look-back layer at each evaluation point, guided and unguided."""
+        points = len(self.steps) * 4
+        return 2, points, len(self.back_layers), self.kept_frames, 2, self.heads, self.head_dim
+
     def solve(self, noise: torch.Tensor, codes: torch.Tensor, speaker: torch.Tensor, features: torch.Tensor,
-              lengths: torch.Tensor | None = None) -> torch.Tensor:
+              lengths: torch.Tensor | None = None, kept: torch.Tensor | None = None,
+              has_kept: torch.Tensor | None = None, keep: torch.Tensor | None = None
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """noise [B, frames, mel], codes [B, frames / repeats], speaker (the voice's `cond`) [B, enc_emb],
         features (speaker_features) [B, 2, enc_dim] -> mel [B, mel, frames]. `lengths` [B]: real frames per
         window, the rest padding (windows of different lengths in one solve, or one graph's shape): attention
-        never reads padding and everything else is per frame, so real frames come out as if solved alone. No
-        host syncs: capturable."""
+        never reads padding and everything else is per frame, so real frames come out as if solved alone.
+
+        A window continuing an earlier one: `kept` [B, *kept_shape()] is what the earlier solve returned for
+        the frames just before this window (`has_kept` [B]: 0 where a window has none, e.g. a first one), so
+        look-back layers reach into them without solving them again; `keep` [B]: where this window's kept
+        frames end (the rest is look-ahead context). Then returns (mel, kept for the next window). The kept
+        keys and values are those the earlier window's own solve computed (in a DiT without look-ahead,
+        windows solved this way equal one solve of the whole). No host syncs: capturable."""
         batch, frames, _ = noise.shape
         fixed = self._fixed_inputs(codes, speaker, features, frames)
-        cos, sin = self.dit.rotary_embed(noise, torch.arange(frames, device=noise.device)[None])
-        rotary = cos.view(frames, self.head_dim), sin.view(frames, self.head_dim), 1  # head 0 only (as trained)
+        before = self.kept_frames if kept is not None else 0  # kept frames sit at positions -before..-1
+        cos, sin = self.dit.rotary_embed(noise, torch.arange(-before, frames, device=noise.device)[None])
+        cos, sin = cos.view(-1, self.head_dim), sin.view(-1, self.head_dim)
+        rotary = cos[before:], sin[before:], 1  # head 0 only (as trained)
         if lengths is not None:
             lengths = torch.cat([lengths, lengths])  # the guided rows, then the unguided ones
         probe = noise.new_empty(0, 0, 3, self.heads, self.head_dim)  # the layout block_attention will get
         masks = self._masks(frames, noise.device, lengths) if not fused_available(probe) else {}
+        seam = None if kept is None else _Seam(self, kept, has_kept, keep, frames, (cos, sin, 1))
         points = iter(range(len(self.steps) * 4))
 
         def velocity(state: torch.Tensor) -> torch.Tensor:
-            out = self._forward(state, fixed, next(points), rotary, masks, lengths)
+            out = self._forward(state, fixed, next(points), rotary, masks, lengths, seam)
             guided, null = out.chunk(2)
             return guided + (guided - null) * self.guidance_scale
 
@@ -112,7 +132,8 @@ class DiTSolver:
             k3 = velocity(state + dt * (k2 - k1 * (1 / 3)))
             k4 = velocity(state + dt * (k1 - k2 + k3))
             state = state + (k1 + 3 * (k2 + k3) + k4) * dt / 8
-        return state.permute(0, 2, 1)
+        mel = state.permute(0, 2, 1)
+        return mel if seam is None else (mel, seam.handed_on())
 
     def _fixed_inputs(self, codes: torch.Tensor, speaker: torch.Tensor, features: torch.Tensor, frames: int
                       ) -> torch.Tensor:
@@ -135,7 +156,7 @@ class DiTSolver:
 
     def _forward(self, state: torch.Tensor, fixed: torch.Tensor, point: int,
                  rotary: tuple[torch.Tensor, torch.Tensor, int], masks: dict[tuple[int, int], torch.Tensor | None],
-                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+                 lengths: torch.Tensor | None = None, seam: _Seam | None = None) -> torch.Tensor:
         """One DiT pass over [guided; unguided] copies of the state at evaluation point `point`. Each seam
         between sublayers (gated residual, then the next norm and its modulation) is one fused pass."""
         batch, frames, _ = state.shape
@@ -147,7 +168,11 @@ class DiTSolver:
         for i, (blk, (w_qkv, b_qkv), reach) in enumerate(zip(blocks, self.qkv, self.reach, strict=True)):
             _, _, gate_a, shift_f, scale_f, gate_f = mods[i]
             qkv = F.linear(x, w_qkv, b_qkv).view(2 * batch, frames, 3, heads, head_dim)
-            attn = block_attention(qkv, self.block_size, *reach, masks.get(reach), lengths, rotary)
+            left = left_lengths = None
+            if seam is not None and reach[0]:
+                left, left_lengths = seam.exchange(qkv, point, i)
+            attn = block_attention(qkv, self.block_size, *reach, masks.get(reach), lengths,
+                                   rotary if left is None else seam.rotary, left, left_lengths)
             attn = F.linear(attn.reshape(rows, width), blk.attn.to_out[0].weight, blk.attn.to_out[0].bias)
             h, x = residual_norm_modulate(h, attn, gate_a, shift_f, scale_f, 1e-6)
             up, down = blk.ff.ff[0], blk.ff.ff[3]
@@ -155,3 +180,35 @@ class DiTSolver:
             scale, shift = self.final[point] if i + 1 == len(blocks) else (mods[i + 1][1], mods[i + 1][0])
             h, x = residual_norm_modulate(h, ff, gate_f, shift, scale, 1e-6)
         return F.linear(x, self.dit.proj_out.weight, self.dit.proj_out.bias).view(2 * batch, frames, self.mel_dim)
+
+
+class _Seam:
+    """Where one window meets the next inside a solve: the kept keys and values look-back layers read, and
+    the ones this window keeps for the next, per evaluation point and look-back layer."""
+
+    def __init__(self, solver: DiTSolver, kept: torch.Tensor, has_kept: torch.Tensor, keep: torch.Tensor,
+                 frames: int, rotary: tuple[torch.Tensor, torch.Tensor, int]):
+        self.rotary = rotary  # tables from the first kept frame's position on
+        self.layer = {layer: n for n, layer in enumerate(solver.back_layers)}
+        batch, n = kept.shape[0], solver.kept_frames
+        # [B, 2, points, layers, ...] -> [points, layers, 2B, ...]: each pass's rows as its qkv orders them
+        self.kept = kept.permute(2, 3, 1, 0, *range(4, kept.dim())).flatten(2, 3).contiguous()
+        self.lengths = (torch.cat([has_kept, has_kept]) > 0).to(torch.int32) * n
+        last = torch.cat([keep, keep])[:, None] - n + torch.arange(n, device=keep.device)[None]
+        self.rows = torch.arange(2 * batch, device=keep.device)[:, None]
+        self.frames = last.clamp(0, frames - 1)  # a window shorter than the kept span is never continued
+        self.kept_on = torch.empty_like(self.kept)
+        self.batch = batch
+
+    def exchange(self, qkv: torch.Tensor, point: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep this window's last frames' key and value (before attention: the torch path rotates in place),
+        return what the earlier window kept for this pass."""
+        n = self.layer[layer]
+        self.kept_on[point, n] = qkv[self.rows, self.frames, 1:]
+        return self.kept[point, n], self.lengths
+
+    def handed_on(self) -> torch.Tensor:
+        """What this solve keeps, batch first: [B, *DiTSolver.kept_shape()]."""
+        points, layers = self.kept_on.shape[:2]
+        on = self.kept_on.view(points, layers, 2, self.batch, *self.kept_on.shape[3:])
+        return on.permute(3, 2, 0, 1, *range(4, on.dim())).contiguous()

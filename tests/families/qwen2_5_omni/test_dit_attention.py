@@ -97,3 +97,35 @@ def test_rotary_on_the_first_heads_equals_rotating_before_attention(monkeypatch,
     got = kernels.block_attention(qkv.clone(), 24, 1, 0, mask, rotary=(cos, sin, 1))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, dense_reference(*qkv.unbind(2), 24, 1, 0), atol=1e-3)
+
+
+@pytest.mark.parametrize("path", ["sdpa", "triton"])
+@pytest.mark.parametrize("reach", [(1, 0), (1, 1), (2, 1), (0, 1)])
+def test_a_kept_left_context_equals_attending_over_it_in_one_sequence(monkeypatch, path: str,
+                                                                      reach: tuple[int, int]) -> None:
+    """Key and value of the block before a window, kept from an earlier solve (`left`): the window's queries
+    attend into it exactly as if those frames led the sequence (rotary at their positions included); a row
+    without a kept block (left_lengths 0) as if it were not there; padding past `lengths` unseen as usual."""
+    if path == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(kernels, "fused_available", lambda qkv: True)
+    torch.manual_seed(2)
+    kept, frames, dim = 24, 50, 16
+    full = torch.randn(3, kept + frames, 3, 2, dim, device=DEVICE)  # rows: kept; kept and padded; none kept
+    angles = torch.arange(-kept, frames, device=DEVICE)[:, None] * torch.rand(dim // 2, device=DEVICE).repeat(2)
+    cos, sin = angles.cos(), angles.sin()
+    rotated = full.clone()
+    kernels.rotate_heads(rotated, cos, sin, 1)
+    lengths = torch.tensor([frames, 30, frames], device=DEVICE)
+    left_lengths = torch.tensor([kept, kept, 0], device=DEVICE)
+    got = kernels.block_attention(full[:, kept:].clone(), 24, *reach, None, lengths, (cos, sin, 1),
+                                  left=full[:, :kept, 1:].clone(), left_lengths=left_lengths)
+    assert got.shape == (3, frames, 2, dim) and not got.isnan().any()
+    expected = [dense_reference(*rotated[0:1].unbind(2), 24, *reach)[:, kept:],
+                dense_reference(*rotated[1:2, : kept + 30].unbind(2), 24, *reach)[:, kept:],
+                dense_reference(*rotated[2:3, kept:].unbind(2), 24, *reach)]
+    for row, want in enumerate(expected):
+        torch.testing.assert_close(got[row : row + 1, : want.shape[1]], want, rtol=1e-5, atol=1e-5)
+    if reach[0]:  # the kept block is really read: without it the first block's rows differ
+        alone = dense_reference(*rotated[0:1, kept:].unbind(2), 24, *reach)
+        assert not torch.allclose(got[0:1, :24], alone[:, :24], atol=1e-3)
