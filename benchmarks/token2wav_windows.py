@@ -42,8 +42,11 @@ def build(config, device: torch.device) -> tuple[torch.nn.Module, dict]:
 
 def step_seconds(decoder: models.Token2Wav, window: int, batch: int, limit: int) -> float:
     done = decoder.left + window
+    # a middle window; with kept contexts it starts where it is kept and reads the vocoder's left mel from there
+    tail = torch.zeros(1, decoder.dit.mel_dim, decoder.vocoder_context, device=decoder.device)
     inputs = [StageInput(f"r{i}", [(7 * i + j) % limit for j in range(done + window + decoder.right)],
-                         params={"voice": "Chelsie", "emitted": done}, final=False) for i in range(batch)]
+                         params={"voice": "Chelsie", "emitted": done, "mel_tail": tail}, final=False)
+              for i in range(batch)]
     if decoder.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -63,6 +66,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,tf32,bfloat16",
                     help="DiT precisions; tf32: float32 weights, TF32 matmuls")
     ap.add_argument("--out")
+    ap.add_argument("--contexts", default="kept,solved",
+                    help="kept: windows continue the previous window's kept context (the default); solved: each "
+                         "window solves its left context again")
     ap.add_argument("--profile", action="store_true",
                     help="instead: per precision, CUDA kernel time of one eager batch-32 step, solve vs vocoder")
     args = ap.parse_args()
@@ -94,23 +100,29 @@ def main() -> None:
         else:
             rms = ((audio - reference).pow(2).mean() / reference.pow(2).mean()).sqrt().item()
             record(part="dit_precision", dit_dtype=name, relative_rms_vs_float32=round(rms, 5))
-        decoders = {}
-        for window, batch in CASES:
-            if window not in decoders:
-                decoders[window] = models.Token2Wav(model, voices, device, window=window, tf32=tf32,
-                                                    max_batch=max(b for w, b in CASES if w == window))
-                decoders[window].warm_up()
-            decoder = decoders[window]
-            step_seconds(decoder, window, batch, limit)
-            seconds = statistics.median(step_seconds(decoder, window, batch, limit)
-                                        for _ in range(3 if batch < 32 else 1))
-            audio_s = batch * window * decoder.dit.repeats * decoder.HOP / models.SAMPLE_RATE
-            record(part="token2wav_window", dit_dtype=name, window=window, left=decoder.left, right=decoder.right,
-                   batch=batch, ms_per_step=round(1000 * seconds, 1), audio_s_per_s=round(audio_s / seconds, 2))
+        for context in args.contexts.split(","):
+            decoders = {}
+            for window, batch in CASES:
+                if window not in decoders:
+                    decoders[window] = models.Token2Wav(model, voices, device, window=window, tf32=tf32,
+                                                        max_batch=max(b for w, b in CASES if w == window),
+                                                        kept_context=context == "kept")
+                    decoders[window].warm_up()
+                decoder = decoders[window]
+                step_seconds(decoder, window, batch, limit)
+                seconds = statistics.median(step_seconds(decoder, window, batch, limit)
+                                            for _ in range(3 if batch < 32 else 1))
+                audio_s = batch * window * decoder.dit.repeats * decoder.HOP / models.SAMPLE_RATE
+                record(part="token2wav_window", dit_dtype=name, context=context, window=window, left=decoder.left,
+                       right=decoder.right, batch=batch, ms_per_step=round(1000 * seconds, 1),
+                       audio_s_per_s=round(audio_s / seconds, 2))
         for batch in (1, 8):  # the same steady-state solve through transformers' DiT `sample` (what generate runs)
             seconds = statistics.median(hf_sample_seconds(model, voices, 24 + 48 + 12, batch, limit, tf32)
                                         for _ in range(3))
-            ours = statistics.median(solve_seconds(decoders[48], 84, batch, limit) for _ in range(3))
+            solved_again = decoders[48]
+            if solved_again.kept_context:
+                solved_again = models.Token2Wav(model, voices, device, window=48, tf32=tf32, kept_context=False)
+            ours = statistics.median(solve_seconds(solved_again, 84, batch, limit) for _ in range(3))
             record(part="dit_solve", dit_dtype=name, codes=84, batch=batch,
                    transformers_sample_ms=round(1000 * seconds, 1), omnistage_ms=round(1000 * ours, 1))
 
@@ -130,7 +142,7 @@ def profile_step(model, voices: dict, device: torch.device, name: str, limit: in
     table = prof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else
                                       "self_cpu_time_total", row_limit=30)
     print(f"== {name}: eager batch-{batch} step {1000 * seconds:.0f} ms\n{table}", flush=True)
-    solve = solve_seconds(decoder, 84, batch, limit)
+    solve = solve_seconds(decoder, 48 + decoder.left + decoder.right, batch, limit)
     mel = torch.zeros(batch, decoder.dit.mel_dim, 48 * decoder.dit.repeats + 2 * decoder.vocoder_context,
                       device=device)
     with torch.inference_mode():
@@ -170,6 +182,9 @@ def solve_seconds(decoder: models.Token2Wav, codes: int, batch: int, limit: int)
                         dtype=decoder.dit_dtype)
     frames = torch.full((batch,), noise.shape[1], device=decoder.device)
     inputs = (noise, ids, speaker.expand(batch, -1), features.expand(batch, -1, -1), frames)
+    if decoder.kept_context:  # continuing windows: the kept context read, the next one handed on
+        kept = torch.zeros(batch, *decoder.solver.kept_shape(), device=decoder.device, dtype=decoder.dit_dtype)
+        inputs += (kept, torch.ones(batch, dtype=torch.long, device=decoder.device), frames)
     with torch.inference_mode():
         decoder.solve(*inputs)
         if decoder.device.type == "cuda":

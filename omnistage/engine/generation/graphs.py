@@ -19,19 +19,25 @@ from omnistage.engine.transfer import own_capture_stream
 logger = logging.getLogger(__name__)
 
 
-class BatchGraphs:
-    """`fn(*inputs) -> output`, all batch-first, replayed from graphs where (1, length) was captured.
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
-    `length` is each call's `inputs[key_input].shape[-1]`. Graphs share one memory pool (`pool`, maybe shared
-    with other BatchGraphs replayed on the same stream) and outputs are copied out before the next replay.
+
+class BatchGraphs:
+    """`fn(*inputs) -> output` (a tensor or a tuple of tensors), all batch-first, replayed from graphs where
+    (1, length) was captured.
+
+    `length` is each call's `inputs[key_input].shape[-1]`. One length's graphs read their inputs from one set of
+    buffers sized for the largest batch (smaller batches capture views of them: inputs can be large, e.g.
+    token2wav's kept contexts). Graphs share one memory pool (`pool`, maybe shared with other BatchGraphs
+    replayed on the same stream) and outputs are copied out before the next replay.
     """
 
-    def __init__(self, fn: Callable[..., torch.Tensor], max_batch: int, key_input: int = 0,
+    def __init__(self, fn: Callable[..., Outputs], max_batch: int, key_input: int = 0,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  pool: tuple | None = None):
         self.fn, self.key_input, self.context = fn, key_input, context
         self.batches = [1 << i for i in range(max(1, max_batch).bit_length())]  # 1, 2, 4, ... <= max_batch
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Outputs]] = {}
         self.pool = pool
         self.stream: torch.cuda.Stream | None = None  # captures run on it (see own_capture_stream)
 
@@ -40,9 +46,10 @@ class BatchGraphs:
         captured (an op that syncs with the host, say): this length then runs eagerly, with a warning."""
         self.stream = self.stream or own_capture_stream(inputs[0].device)
         length = inputs[self.key_input].shape[-1]
+        buffers = [x.expand(self.batches[-1], *x.shape[1:]).clone() for x in inputs]
         try:
             for batch in self.batches:
-                static_inputs = [x.expand(batch, *x.shape[1:]).clone() for x in inputs]
+                static_inputs = [x[:batch] for x in buffers]
                 with self.context():
                     if not self.graphs:
                         self.fn(*static_inputs)  # warm-up outside a capture (lazy initialisation, allocator)
@@ -61,7 +68,7 @@ class BatchGraphs:
             return False
         return True
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *inputs: torch.Tensor) -> Outputs:
         batch, length = inputs[self.key_input].shape[0], inputs[self.key_input].shape[-1]
         if (1, length) not in self.graphs:
             with self.context():
@@ -73,6 +80,10 @@ class BatchGraphs:
                 for static, x in zip(static_inputs, inputs, strict=True):
                     static.copy_(x[at : at + size])
                 graph.replay()
-                outs.append(static_out.clone())  # the next replay overwrites it
+                # the next replay overwrites the outputs
+                outs.append(tuple(x.clone() for x in static_out) if isinstance(static_out, tuple)
+                            else static_out.clone())
                 at += size
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
         return torch.cat(outs)

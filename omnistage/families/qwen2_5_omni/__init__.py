@@ -240,7 +240,11 @@ TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolea
     "first_window": ("codes in the first chunk (smaller: audio starts sooner); default: 24, or window if smaller", 1),
     "max_window": ("later windows double from window up to this many codes (less context recomputed per code, "
                    "bigger chunks); default: window", 1),
-    "left": ("codes of left context each window is decoded with; default: what the DiT attends back to", 0),
+    "kept_context": ("true (default): each window's look-back layers read the keys and values the previous "
+                     "window's solve kept, instead of solving left context again (windows must be whole DiT "
+                     "blocks, `left` unset); false: solve `left` codes of context with each window", None),
+    "left": ("codes of left context each window is solved with when kept_context is off; default: what the DiT "
+             "attends back to", 0),
     "right": ("codes of look-ahead each window waits for; default: what the DiT attends ahead to", 0),
     "vocoder_context": ("mel frames of context on each side of a window for the vocoder", 0),
     "num_steps": ("flow-matching ODE steps", 2),

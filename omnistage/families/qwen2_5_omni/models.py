@@ -219,11 +219,16 @@ class Token2Wav:
 
     With `window` codes > 0, audio is decoded while codes still arrive (the first chunk may be smaller:
     `first_window`, by default FIRST_WINDOW or `window` if smaller; later windows may double from `window` up to
-    `max_window`: fewer, longer windows recompute less context per code): each window is decoded with `left`
-    codes of context before it and `right` after it, by default the blocks the DiT's block attention
-    reaches; the vocoder gets `vocoder_context` mel frames on each side. Every window draws its starting
-    noise from the same per-request noise the whole utterance would use; tests bound the streamed audio's
-    distance from a one-shot decode. `window == 0`: one shot.
+    `max_window`: fewer, longer windows cost less context per code). Each window is solved with `right` codes
+    of look-ahead after it (by default the blocks the DiT's look-ahead layers reach). Before it, by default
+    (`kept_context`), the DiT's look-back layers read the keys and values the previous window's own solve
+    computed for its last block (DiTSolver: nothing solved twice on the left, and the same as one solve of the
+    whole in a DiT without look-ahead); otherwise (`kept_context=False`, `left` set, or windows that are not
+    whole DiT blocks) each window solves `left` codes of context again, by default the blocks the look-back
+    layers reach. The vocoder gets `vocoder_context` mel frames on each side (the left ones kept from the
+    previous window). Every window draws its starting noise from the same per-request noise the whole
+    utterance would use; tests bound the streamed audio's distance from a one-shot decode. `window == 0`: one
+    shot.
 
     Same-length windows of different requests share one flow-matching solve and one vocoder pass. On CUDA
     both are captured as graphs at start-up for the first- and middle-window shapes (batches of 1, 2, 4, ...
@@ -239,7 +244,7 @@ class Token2Wav:
                  window: int = 0, first_window: int | None = None, left: int | None = None,
                  right: int | None = None, max_window: int | None = None, vocoder_context: int = 16,
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
-                 use_graphs: bool = True, max_batch: int = 16, tf32: bool = False):
+                 use_graphs: bool = True, max_batch: int = 16, tf32: bool = False, kept_context: bool = True):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
         self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder stays in float32 whatever this is
@@ -253,6 +258,12 @@ class Token2Wav:
         self.max_window = max(window, max_window or window)
         self.vocoder_context = vocoder_context
         self.solver = DiTSolver(self.dit, num_steps, guidance_scale, sway_coefficient)
+        whole_blocks = all(size % self.block == 0 for size in (self.first_window, self.window, self.max_window))
+        self.kept_context = (kept_context and window > 0 and left is None and whole_blocks
+                             and bool(self.solver.back_layers) and self.solver.kept_frames % dit.repeats == 0)
+        if self.kept_context:
+            self.left = 0
+            self._nothing_kept = torch.zeros(1, *self.solver.kept_shape(), device=device, dtype=self.dit_dtype)
         with torch.inference_mode():  # per voice: its `cond` and its speaker-encoder features
             self.speakers = {name: (v["cond"].to(device, self.dit_dtype),
                                     self.solver.speaker_features(v["ref_mel"].to(device, self.dit_dtype)))
@@ -278,8 +289,10 @@ class Token2Wav:
             for codes in {codes for codes, _ in shapes}:
                 frames = codes * self.dit.repeats
                 noise = torch.zeros(1, frames, self.dit.mel_dim, device=self.device, dtype=self.dit_dtype)
+                kept = (self._nothing_kept, torch.zeros(1, device=self.device, dtype=torch.long),
+                        torch.full((1,), frames, device=self.device)) if self.kept_context else ()
                 if self.solve.capture(noise, torch.zeros(1, codes, dtype=torch.long, device=self.device), speaker,
-                                      features, torch.full((1,), frames, device=self.device)):
+                                      features, torch.full((1,), frames, device=self.device), *kept):
                     self.solve_lengths = sorted([*self.solve_lengths, codes])
             for frames in {frames for _, frames in shapes}:
                 self.vocode.capture(torch.zeros(1, self.dit.mel_dim, frames, device=self.device))
@@ -336,8 +349,9 @@ class Token2Wav:
             [inputs[i] for i in members], [plans[i] for i in members], lengths[members[0]]))
         r = self.dit.repeats
         spans = {i: self._vocoder_span(inputs[i].params.get("emitted", 0), plan) for i, plan in plans.items()}
-        waves = self._grouped(plans, lambda i: spans[i][1] - spans[i][0], lambda members: self.vocode(torch.cat([
-            mels[i][:, :, spans[i][0] - plans[i][0] * r : spans[i][1] - plans[i][0] * r] for i in members])))
+        vocoder_mels = {i: self._vocoder_mel(inputs[i], plans[i], spans[i], mels[i]) for i in plans}
+        waves = self._grouped(plans, lambda i: spans[i][1] - spans[i][0],
+                              lambda members: self.vocode(torch.cat([vocoder_mels[i] for i in members])))
         outputs = []
         for i, inp in enumerate(inputs):
             if i not in plans:
@@ -346,6 +360,9 @@ class Token2Wav:
             done, (_, keep_end, _), lo = inp.params.get("emitted", 0), plans[i], spans[i][0]
             first = (done * r - lo) * self.HOP
             inp.params["emitted"] = keep_end
+            if self.vocoder_context:  # the kept mel frames' last ones: the next window's vocoder context
+                kept_mel = vocoder_mels[i][:, :, : keep_end * r - lo]
+                inp.params["mel_tail"] = kept_mel[:, :, max(0, kept_mel.shape[-1] - self.vocoder_context) :]
             outputs.append(({"audio": waves[i][first : first + (keep_end - done) * r * self.HOP].cpu()},
                             inp.final and keep_end == len(inp.token_ids)))
         return outputs
@@ -377,14 +394,25 @@ class Token2Wav:
             return (0, len(codes), len(codes)) if codes else None  # the whole utterance at once
         # Windows fall where they would if codes came one by one, however many have arrived: the audio
         # does not depend on timing (a request left with several windows at its end gets them one per step).
-        start = max(0, done - self.left) // self.block * self.block
+        start = done if self.kept_context else max(0, done - self.left) // self.block * self.block
         keep_end = min(len(codes), done + self._next_window(done))
         return (start, keep_end, min(len(codes), keep_end + self.right)) if keep_end > done else None
 
     def _vocoder_span(self, done: int, plan: tuple[int, int, int]) -> tuple[int, int]:
-        """Mel frames the vocoder gets for a window: the new ones and up to `vocoder_context` either side."""
+        """Mel frames the vocoder gets for a window: the new ones and up to `vocoder_context` either side (on
+        the left from the previous window's kept mel when the solve starts at the window)."""
         (start, keep_end, end), r = plan, self.dit.repeats
-        return max(done * r - self.vocoder_context, start * r), min(keep_end * r + self.vocoder_context, end * r)
+        first = 0 if self.kept_context else start * r
+        return max(done * r - self.vocoder_context, first), min(keep_end * r + self.vocoder_context, end * r)
+
+    def _vocoder_mel(self, inp: StageInput, plan: tuple[int, int, int], span: tuple[int, int], mel: torch.Tensor
+                     ) -> torch.Tensor:
+        """The window's mel frames `span` (absolute), those before its solve from the previous window's."""
+        (lo, hi), solved_from = span, plan[0] * self.dit.repeats
+        part = mel[:, :, max(lo, solved_from) - solved_from : hi - solved_from]
+        if lo >= solved_from:
+            return part
+        return torch.cat([inp.params["mel_tail"][:, :, lo - solved_from :], part], dim=-1)
 
     def _solve_length(self, codes: int) -> int:
         """The window length a solve of `codes` codes runs at: the shortest with a graph that fits, else its own."""
@@ -402,8 +430,21 @@ class Token2Wav:
         speakers = [self.speakers[inp.params["voice"]] for inp in inputs]
         speaker = torch.cat([s for s, _ in speakers])
         features = torch.cat([f for _, f in speakers])
-        mels = self.solve(torch.stack(noise).to(self.device, dtype), torch.tensor(codes, device=self.device),
-                          speaker, features, torch.tensor(frames, device=self.device))
+        frame_counts = torch.tensor(frames, device=self.device)
+        if not self.kept_context:
+            mels = self.solve(torch.stack(noise).to(self.device, dtype), torch.tensor(codes, device=self.device),
+                              speaker, features, frame_counts)
+            return [mel[None, :, :n] for mel, n in zip(mels.float(), frames, strict=True)]
+        kept = torch.cat([inp.params.get("kept", self._nothing_kept) for inp in inputs])
+        has_kept = torch.tensor([int("kept" in inp.params) for inp in inputs], device=self.device)
+        keep = torch.tensor([(keep_end - start) * r for start, keep_end, _ in plans], device=self.device)
+        mels, kept_on = self.solve(torch.stack(noise).to(self.device, dtype), torch.tensor(codes, device=self.device),
+                                   speaker, features, frame_counts, kept, has_kept, keep)
+        for n, (inp, (_, keep_end, _)) in enumerate(zip(inputs, plans, strict=True)):
+            if keep_end < len(inp.token_ids) or not inp.final:  # another window follows: it continues this one
+                inp.params["kept"] = kept_on[n : n + 1]
+            else:
+                inp.params.pop("kept", None)
         return [mel[None, :, :n] for mel, n in zip(mels.float(), frames, strict=True)]
 
     def _vocode(self, mel: torch.Tensor) -> torch.Tensor:

@@ -135,6 +135,14 @@ def test_batch_graphs_fall_back_to_eager_when_a_capture_fails() -> None:
     assert doubling.capture(ones[:1]) and set(doubling.graphs) == {(1, 8), (2, 8), (4, 8)}
     assert torch.equal(doubling(ones * torch.arange(3, device="cuda")[:, None]),
                        2 * ones * torch.arange(3, device="cuda")[:, None])
+    # one length's graphs read one set of input buffers (views for smaller batches); tuple outputs
+    inputs = {batch: static[0] for (batch, _), (_, static, _) in doubling.graphs.items()}
+    assert inputs[1].data_ptr() == inputs[2].data_ptr() == inputs[4].data_ptr()
+    both = BatchGraphs(lambda x: (x * 2, x.sum(-1)), max_batch=4)
+    assert both.capture(ones[:1])
+    rows = ones * torch.arange(3, device="cuda")[:, None]
+    doubled, sums = both(rows)
+    assert torch.equal(doubled, 2 * rows) and torch.equal(sums, rows.sum(-1))
 
 
 def test_first_inputs_are_prepared_without_waiting_for_the_device(tiny_qwen2_5_omni: str) -> None:
