@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import gc
 import json
 import statistics
 import sys
@@ -187,11 +188,32 @@ async def sample_stages(engine: AsyncOmni, start: float, every_s: float = 0.1) -
         return rows
 
 
+class GcPauses:
+    """The cyclic garbage collector's pauses (every thread of the process waits while it runs), per wave."""
+
+    def __init__(self) -> None:
+        self.started, self.pauses = 0.0, []  # (generation, seconds)
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self.started))
+
+    def take(self) -> dict:
+        pauses, self.pauses = self.pauses, []
+        full = [s for g, s in pauses if g == 2]
+        return {"collections": len(pauses), "seconds": round(sum(s for _, s in pauses), 3),
+                "longest_s": round(max((s for _, s in pauses), default=0.0), 3), "full": len(full),
+                "full_seconds": round(sum(full), 3)}
+
+
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
          backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
          overlap_decode: bool = True, overlap_sampled: bool = False, settings: dict[str, Any] | None = None,
-         timeline_out: Path | None = None) -> None:
+         timeline_out: Path | None = None, gc_compare: bool = False) -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -243,7 +265,14 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
 
         for n in sorted({1, max(concurrency)}):  # warm-up: kernels compiled and tuned for every batch shape seen
             asyncio.run(wave(n))
-        for n in concurrency:
+        pauses = GcPauses()
+        # the engine froze what existed at start-up out of the collector's scans; --gc-compare: one more wave
+        # of the largest concurrency with them back in
+        waves = [(n, "frozen") for n in concurrency] + ([(max(concurrency), "unfrozen")] if gc_compare else [])
+        for n, collector in waves:
+            if collector == "unfrozen":
+                gc.unfreeze()
+            pauses.take()
             before = engine.stats()
             runs = [asyncio.run(wave(n)) for _ in range(3 if n == 1 else 1)]
             after = engine.stats()
@@ -260,10 +289,11 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    rtf_median=round(statistics.median(r["e2e"] / r["audio"] for r in results), 3),
                    playback_stall_s_median=round(statistics.median(r["stall"] for r in results), 3),
                    requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2),
-                   stages=stage_steps(before, after))
+                   stages=stage_steps(before, after), gc_startup_objects=collector, gc_pauses=pauses.take())
             if timeline_out is not None:
                 with timeline_out.open("a") as f:
-                    f.write(json.dumps({"concurrency": n, "settings": settings or {}, **timelines[n]}) + "\n")
+                    f.write(json.dumps({"concurrency": n, "gc_startup_objects": collector, "settings": settings or {},
+                                        **timelines[n]}) + "\n")
         if profile_dir is not None:  # a trace of each concurrency's wave: host threads and GPU streams
             from torch.profiler import ProfilerActivity, profile
 
@@ -311,6 +341,8 @@ def main() -> None:
                     help="a deploy-config setting (YAML value), e.g. stages.token2wav.dtype=bfloat16; repeatable")
     ap.add_argument("--timeline", type=Path, help="append each wave's stage activity (per 0.1 s) and per-request "
                     "event times (first/last text, each audio chunk) here as JSON lines")
+    ap.add_argument("--gc-compare", action="store_true",
+                    help="one more wave at the largest concurrency with start-up objects back in the collector's scans")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
     args = ap.parse_args()
 
@@ -334,7 +366,7 @@ def main() -> None:
                      profile_dir=args.profile, overlap_decode=not args.no_overlap,
                      overlap_sampled=args.overlap_sampled,
                      settings={k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)},
-                     timeline_out=args.timeline)
+                     timeline_out=args.timeline, gc_compare=args.gc_compare)
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")

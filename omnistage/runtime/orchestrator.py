@@ -9,6 +9,7 @@ already (worker.py); the orchestrator restarts it (up to `max_restarts`, or on `
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -66,6 +67,10 @@ class Orchestrator:
             for workers in self.workers.values():  # they all load at once; wait for each
                 for worker in workers:
                     worker.wait_ready(max(deadline - time.monotonic(), 0.0))
+            # What exists now (models, tokenizers, graphs) lives as long as the server: out of the cyclic
+            # collector's scans, a full collection while serving pauses every stage's thread for less.
+            gc.collect()
+            gc.freeze()
         except BaseException:
             self.shutdown()
             raise
