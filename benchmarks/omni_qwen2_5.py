@@ -213,7 +213,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
          backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
          overlap_decode: bool = True, overlap_sampled: bool = False, settings: dict[str, Any] | None = None,
-         timeline_out: Path | None = None, gc_compare: bool = False) -> None:
+         timeline_out: Path | None = None, gc_compare: bool = False, switch_intervals: list[float] = ()) -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -268,8 +268,13 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
         pauses = GcPauses()
         # the engine froze what existed at start-up out of the collector's scans; --gc-compare: one more wave
         # of the largest concurrency with them back in
-        waves = [(n, "frozen") for n in concurrency] + ([(max(concurrency), "unfrozen")] if gc_compare else [])
-        for n, collector in waves:
+        # --switch-intervals: more waves at the largest concurrency, each with the interpreter's thread switch
+        # interval set to one of them (how long a thread waiting for the GIL waits before asking for it)
+        waves = [(n, "frozen", sys.getswitchinterval()) for n in concurrency]
+        waves += [(max(concurrency), "frozen", interval) for interval in switch_intervals]
+        waves += [(max(concurrency), "unfrozen", sys.getswitchinterval())] if gc_compare else []
+        for n, collector, interval in waves:
+            sys.setswitchinterval(interval)
             if collector == "unfrozen":
                 gc.unfreeze()
             pauses.take()
@@ -289,10 +294,12 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    rtf_median=round(statistics.median(r["e2e"] / r["audio"] for r in results), 3),
                    playback_stall_s_median=round(statistics.median(r["stall"] for r in results), 3),
                    requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2),
-                   stages=stage_steps(before, after), gc_startup_objects=collector, gc_pauses=pauses.take())
+                   stages=stage_steps(before, after), gc_startup_objects=collector, gc_pauses=pauses.take(),
+                   switch_interval_s=interval)
             if timeline_out is not None:
                 with timeline_out.open("a") as f:
-                    f.write(json.dumps({"concurrency": n, "gc_startup_objects": collector, "settings": settings or {},
+                    f.write(json.dumps({"concurrency": n, "gc_startup_objects": collector,
+                                        "switch_interval_s": interval, "settings": settings or {},
                                         **timelines[n]}) + "\n")
         if profile_dir is not None:  # a trace of each concurrency's wave: host threads and GPU streams
             from torch.profiler import ProfilerActivity, profile
@@ -341,6 +348,9 @@ def main() -> None:
                     help="a deploy-config setting (YAML value), e.g. stages.token2wav.dtype=bfloat16; repeatable")
     ap.add_argument("--timeline", type=Path, help="append each wave's stage activity (per 0.1 s) and per-request "
                     "event times (first/last text, each audio chunk) here as JSON lines")
+    ap.add_argument("--switch-intervals", default="",
+                    help="comma-separated seconds: one more wave at the largest concurrency with each as the "
+                         "interpreter's thread switch interval (sys.setswitchinterval)")
     ap.add_argument("--gc-compare", action="store_true",
                     help="one more wave at the largest concurrency with start-up objects back in the collector's scans")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
@@ -366,7 +376,8 @@ def main() -> None:
                      profile_dir=args.profile, overlap_decode=not args.no_overlap,
                      overlap_sampled=args.overlap_sampled,
                      settings={k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)},
-                     timeline_out=args.timeline, gc_compare=args.gc_compare)
+                     timeline_out=args.timeline, gc_compare=args.gc_compare,
+                     switch_intervals=[float(x) for x in args.switch_intervals.split(",") if x])
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")
