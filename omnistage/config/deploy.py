@@ -43,11 +43,10 @@ class StageConfig(_Strict):
         False, description="Also keep sampled (or penalised) decode steps in flight, drawing tokens on the device. "
         "Off by default: on one H200 it made the Qwen2.5-Omni talker slower (5.3 vs 3.8 ms/step), cause not found")
     enforce_eager: bool = False
-    stream_priority: Literal["highest", "high", "normal"] | None = Field(
+    stream_priority: Literal["high", "normal"] | None = Field(
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
         "favours when stages share it; None: high for autoregressive stages (short steps a request waits on), "
-        "highest for one fed by another (a talker decodes more steps than the thinker ahead of it), normal for "
-        "the rest")
+        "normal for the rest")
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict, description="Stage-specific knobs its family documents")
 

@@ -37,27 +37,13 @@ def build_pipeline(
     return family.pipeline(info, deploy)
 
 
-def stream_priority(pipeline: Pipeline, stage: str) -> str:
-    """An inline stage's CUDA stream priority: the deploy config's, else high for an autoregressive stage (short
-    steps a request waits on, step after step), highest for one fed by another (it decodes more steps than its
-    feeder, which runs ahead of it: a talker behind its thinker), normal for the rest (long solves)."""
-    chosen = pipeline.stage_config(stage).stream_priority
-    if chosen is not None:
-        return chosen
-    kinds = {spec.name: spec.kind for spec in pipeline.stages}
-    if kinds[stage] != "ar":
-        return "normal"
-    fed_by_decoder = any(edge.dst == stage and kinds[edge.src] == "ar" for edge in pipeline.edges)
-    return "highest" if fed_by_decoder else "high"
-
-
 def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
     backend = pipeline.deploy.worker_backend
     links = connector_choice(pipeline)
     if backend == "inline":
         def make_worker(stage: str, replica: int, on_outputs: OutputCallback, on_exit: ExitCallback):
             return InlineStageWorker(stage, replica, pipeline.build_engine(stage), on_outputs, on_exit,
-                                     stream_priority(pipeline, stage))
+                                     pipeline.stage_config(stage).stream_priority)
 
         return Orchestrator(pipeline, make_worker)
 

@@ -197,9 +197,6 @@ def _cuda_tensors(inp: StageInput) -> list[torch.Tensor]:
     return [t for t in values if isinstance(t, torch.Tensor) and t.is_cuda]
 
 
-STREAM_PRIORITIES = {"highest": -2, "high": -1, "normal": 0}  # CUDA's: lower runs first
-
-
 class InlineStageWorker:
     """One engine, one thread of the server process, and on a GPU its own CUDA stream.
 
@@ -207,10 +204,9 @@ class InlineStageWorker:
     solve) do not hold up another's short decode steps, as they would on one stream, or across
     processes under the GPU's time slicing. Latency-bound engines (autoregressive decoding: many short
     kernels a request waits on, step after step) get a high-priority stream, so their kernels take the next
-    free multiprocessors ahead of a long solve's queue (which stage gets which: launch.stream_priority).
-    GPU tensors handed over from another stage are read only after the stream that wrote them got there (an
-    event, no host wait), and the allocator is told this stream uses them, so their memory is not reused
-    before it has read them."""
+    free multiprocessors ahead of a long solve's queue. GPU tensors handed over from another stage are read only
+    after the stream that wrote them got there (an event, no host wait), and the allocator is told
+    this stream uses them, so their memory is not reused before it has read them."""
 
     def __init__(self, stage: str, replica: int, engine: Engine, on_outputs: OutputCallback,
                  on_exit: ExitCallback | None = None, stream_priority: str | None = None):
@@ -221,9 +217,8 @@ class InlineStageWorker:
         device = getattr(engine, "device", None)
         self.stream = None
         if device is not None and torch.device(device).type == "cuda":
-            if stream_priority is None:
-                stream_priority = "high" if getattr(engine, "latency_bound", False) else "normal"
-            self.stream = torch.cuda.Stream(device, priority=STREAM_PRIORITIES[stream_priority])
+            high = stream_priority == "high" or (stream_priority is None and getattr(engine, "latency_bound", False))
+            self.stream = torch.cuda.Stream(device, priority=-1 if high else 0)
             torch.cuda.synchronize(device)  # what building the engine left on the default stream is done
         self.loop = EngineLoop(stage, engine, self._report, receive=self._receive)
         self._stopping = False
