@@ -89,9 +89,10 @@ def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: 
                     left: torch.Tensor | None = None, left_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [B, frames, 3, heads, dim] (a fused projection's output, viewed) -> [B, frames, heads, dim].
     `lengths` ([B], optional): real frames per sequence; keys past them are padding no query sees (padding
-    queries get zeros or padding). `mask` (block_window_mask, with the same `lengths`) is used by the torch
-    path only. `rotary` (cos, sin [frames, dim], n): the first n heads of query and key are rotated first
-    (rotate_heads; the kernel rotates as it loads, in float32, and leaves qkv as it was).
+    queries get zeros or padding). `mask` (block_window_mask, with the same `lengths`; with `left`,
+    kept_window_mask) is used by the torch path only. `rotary` (cos, sin [frames, dim], n): the first n heads of
+    query and key are rotated first (rotate_heads; the kernel rotates as it loads, in float32, and leaves qkv as
+    it was).
     `left` ([B, left_frames, 2, heads, dim], whole blocks; optional): key and value (not rotated) of the frames
     just before frame 0, kept from an earlier solve, so that look-back windows reach into them; `left_lengths`
     [B]: how many of them are real (the last ones; 0: none). With `left`, `rotary`'s tables start at position
@@ -99,7 +100,7 @@ def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: 
     (torch.backends.cuda.matmul.allow_tf32), else in full float32."""
     if not fused_available(qkv):
         if left is not None:
-            return _block_attention_after(qkv, left, left_lengths, block, back, ahead, lengths, rotary)
+            return _block_attention_after(qkv, left, left_lengths, block, back, ahead, lengths, rotary, mask)
         if rotary is not None:
             rotate_heads(qkv, *rotary)
         return block_attention_sdpa(*qkv.unbind(2), block, back, ahead, mask)
@@ -126,19 +127,29 @@ def block_attention(qkv: torch.Tensor, block: int, back: int, ahead: int, mask: 
     return out
 
 
+def kept_window_mask(frames: int, block: int, back: int, ahead: int, device: torch.device,
+                     lengths: torch.Tensor | None, left_frames: int, left_lengths: torch.Tensor) -> torch.Tensor:
+    """block_window_mask over [left; frames] (what the torch path of block_attention with `left` attends over):
+    the left context's missing frames and the padding masked."""
+    batch = left_lengths.shape[0]
+    ends = (lengths if lengths is not None else torch.full((batch,), frames, device=device)) + left_frames
+    return block_window_mask(left_frames + frames, block, back, ahead, device, ends, left_frames - left_lengths)
+
+
 def _block_attention_after(qkv: torch.Tensor, left: torch.Tensor, left_lengths: torch.Tensor, block: int,
                            back: int, ahead: int, lengths: torch.Tensor | None,
-                           rotary: tuple[torch.Tensor, torch.Tensor, int] | None) -> torch.Tensor:
+                           rotary: tuple[torch.Tensor, torch.Tensor, int] | None,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
     """The torch path with a kept left context: attention over [left; qkv] with the left context's missing
-    frames and the padding masked, the left context's own query rows dropped."""
-    batch, frames = qkv.shape[:2]
-    left_frames = left.shape[1]
+    frames and the padding masked (`mask`: kept_window_mask's, computed here if not given), the left
+    context's own query rows dropped."""
+    frames, left_frames = qkv.shape[1], left.shape[1]
     no_query = torch.zeros_like(left[:, :, :1])
     joined = torch.cat([torch.cat([no_query, left], dim=2), qkv], dim=1)
     if rotary is not None:
         rotate_heads(joined, *rotary)
-    ends = (lengths if lengths is not None else torch.full((batch,), frames, device=qkv.device)) + left_frames
-    mask = block_window_mask(left_frames + frames, block, back, ahead, qkv.device, ends, left_frames - left_lengths)
+    if mask is None:
+        mask = kept_window_mask(frames, block, back, ahead, qkv.device, lengths, left_frames, left_lengths)
     return block_attention_sdpa(*joined.unbind(2), block, back, ahead, mask)[:, left_frames:]
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.kernels.block_attention import block_attention, block_window_mask, fused_available
+from omnistage.kernels.block_attention import block_attention, block_window_mask, fused_available, kept_window_mask
 from omnistage.kernels.fused import linear_gelu_tanh, residual_norm_modulate
 
 
@@ -118,6 +118,10 @@ class DiTSolver:
         probe = noise.new_empty(0, 0, 3, self.heads, self.head_dim)  # the layout block_attention will get
         masks = self._masks(frames, noise.device, lengths) if not fused_available(probe) else {}
         seam = None if kept is None else _Seam(self, kept, has_kept, keep, frames, (cos, sin, 1))
+        if seam is not None and not fused_available(probe):  # the torch path's masks over [kept; window]
+            for reach in {self.reach[i] for i in self.back_layers}:
+                masks[("kept", *reach)] = kept_window_mask(frames, self.block_size, *reach, noise.device, lengths,
+                                                           self.kept_frames, seam.lengths)
         points = iter(range(len(self.steps) * 4))
 
         def velocity(state: torch.Tensor) -> torch.Tensor:
@@ -155,7 +159,7 @@ class DiTSolver:
                 for reach in set(self.reach)}
 
     def _forward(self, state: torch.Tensor, fixed: torch.Tensor, point: int,
-                 rotary: tuple[torch.Tensor, torch.Tensor, int], masks: dict[tuple[int, int], torch.Tensor | None],
+                 rotary: tuple[torch.Tensor, torch.Tensor, int], masks: dict[tuple, torch.Tensor | None],
                  lengths: torch.Tensor | None = None, seam: _Seam | None = None) -> torch.Tensor:
         """One DiT pass over [guided; unguided] copies of the state at evaluation point `point`. Each seam
         between sublayers (gated residual, then the next norm and its modulation) is one fused pass."""
@@ -171,7 +175,8 @@ class DiTSolver:
             left = left_lengths = None
             if seam is not None and reach[0]:
                 left, left_lengths = seam.exchange(qkv, point, i)
-            attn = block_attention(qkv, self.block_size, *reach, masks.get(reach), lengths,
+            mask = masks.get(reach if left is None else ("kept", *reach))
+            attn = block_attention(qkv, self.block_size, *reach, mask, lengths,
                                    rotary if left is None else seam.rotary, left, left_lengths)
             attn = F.linear(attn.reshape(rows, width), blk.attn.to_out[0].weight, blk.attn.to_out[0].bias)
             h, x = residual_norm_modulate(h, attn, gate_a, shift_f, scale_f, 1e-6)
