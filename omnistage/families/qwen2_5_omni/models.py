@@ -442,7 +442,7 @@ class Token2Wav:
                                    speaker, features, frame_counts, kept, has_kept, keep)
         for n, (inp, (_, keep_end, _)) in enumerate(zip(inputs, plans, strict=True)):
             if keep_end < len(inp.token_ids) or not inp.final:  # another window follows: it continues this one
-                inp.params["kept"] = kept_on[n : n + 1]
+                inp.params["kept"] = kept_on[n : n + 1].clone()  # its own (a view would hold the whole batch's)
             else:
                 inp.params.pop("kept", None)
         return [mel[None, :, :n] for mel, n in zip(mels.float(), frames, strict=True)]

@@ -547,7 +547,8 @@ def test_a_padded_solve_equals_solving_each_window_alone(tiny_qwen2_5_omni: str,
 def test_short_windows_join_a_captured_length_without_changing_the_audio(tiny_qwen2_5_omni: str) -> None:
     """With graphs (here: their lengths set by hand, the solves eager on the CPU) a window shorter than a
     captured length is solved padded to it, with others of that length: two requests whose last windows differ
-    in length share one solve, and the audio equals the decoder that solves every length on its own."""
+    in length share one solve, and the audio equals the decoder that solves every length on its own. Between
+    windows each request holds only its own kept context (not the whole batch's), and none once it is done."""
     from pathlib import Path
 
     from transformers import Qwen2_5OmniConfig
@@ -575,6 +576,10 @@ def test_short_windows_join_a_captured_length_without_changing_the_audio(tiny_qw
                 audio[i].append(tensors["audio"].numpy())
                 if finished:
                     pending.discard(i)
+            for i, inp in enumerate(inputs):  # a waiting request holds its own kept context, a finished one none
+                kept = inp.params.get("kept")
+                assert (kept is None) == (i not in pending)
+                assert kept is None or kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
         return [np.concatenate(a) for a in audio], solved
 
     def decoder() -> models.Token2Wav:
