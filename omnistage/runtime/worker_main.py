@@ -9,6 +9,7 @@ loop iteration sends its outputs and stats back.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -57,6 +58,8 @@ def serve(spec: control.WorkerSpec) -> int:
         except Exception as exc:
             emit(control.Failed(f"{type(exc).__name__}: {exc}"))
             return 1
+        gc.collect()  # what exists now lives as long as the worker: out of the cyclic collector's scans
+        gc.freeze()
         inbox = control.Link(links[0], f"->{spec.stage}", spec.inline_max_bytes)
         outbox = control.Link(links[1], f"{spec.stage}->", spec.inline_max_bytes)
         last: dict[str, Any] = {}
