@@ -140,15 +140,13 @@ def _stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> None:
     print(f"\n[{tokens} tokens, TTFT {ttft_ms}, total {total * 1000:.1f} ms, {tokens / total:.1f} tok/s]")
 
 
-def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out: str) -> None:
+def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out: str, sample_rate: int) -> None:
     """A streamed text + speech answer: text printed as it comes, PCM16 audio chunks gathered into a WAV file,
     then the time to the first text and the first audio."""
     import base64
     import wave
 
     from openai import OpenAI
-
-    from omnistage.families.qwen2_5_omni.models import SAMPLE_RATE
 
     client = OpenAI(base_url=f"{url}/v1", api_key="demo")
     start, first_text, first_audio, chunks, pcm = time.perf_counter(), None, None, 0, bytearray()
@@ -177,11 +175,11 @@ def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out
     with wave.open(audio_out, "wb") as out:
         out.setnchannels(1)
         out.setsampwidth(2)
-        out.setframerate(SAMPLE_RATE)
+        out.setframerate(sample_rate)
         out.writeframes(bytes(pcm))
     ms = {name: f"{t * 1000:.0f} ms" if t is not None else "n/a" for name, t in
           (("text", first_text), ("audio", first_audio))}
-    seconds = len(pcm) / 2 / SAMPLE_RATE
+    seconds = len(pcm) / 2 / sample_rate
     print(f"\n[first text {ms['text']}, first audio {ms['audio']}, {seconds:.2f} s of audio in {chunks} chunks, "
           f"total {total * 1000:.0f} ms; wrote {audio_out}]")
 
@@ -190,8 +188,8 @@ DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni")
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """End to end on a random-weight tiny model: real server, real OpenAI client, streamed answer (for
-    qwen2_5_omni: streamed text and speech, the speech written to a WAV file)."""
+    """End to end on a random-weight tiny model: real server, real OpenAI client, streamed answer (for a
+    model that speaks: streamed text and speech, the speech written to a WAV file)."""
     from omnistage.entrypoints.async_omni import AsyncOmni
     from omnistage.entrypoints.openai.server import BackgroundServer
     from omnistage.testing import tiny_checkpoint
@@ -207,8 +205,9 @@ def _demo(args: argparse.Namespace) -> int:
         with BackgroundServer(engine, port=args.port) as server:
             _wait_healthy(server.url)
             print(f"server up at {server.url}\n> {args.prompt}")
-            if args.arch == "qwen2_5_omni":
-                _stream_speech(server.url, engine.served_model_name, args.prompt, args.max_tokens, args.audio_out)
+            if "audio" in engine.output_modalities:
+                _stream_speech(server.url, engine.served_model_name, args.prompt, args.max_tokens, args.audio_out,
+                               engine.pipeline.audio_sample_rate)
             else:
                 _stream_chat(server.url, engine.served_model_name, args.prompt, args.max_tokens)
     finally:

@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from omnistage.config.deploy import DeployConfig, StageConfig
 from omnistage.engine.base import Engine
@@ -45,6 +45,7 @@ class Pipeline:
     edges: list[Edge] = field(default_factory=list)
     tokenizer: Any = None  # entry stage's tokenizer, if it has one
     max_model_len: int = 0  # entry stage's context length
+    audio_sample_rate: ClassVar[int | None] = None  # the rate of the audio it outputs, if it outputs audio
 
     @property
     def entry(self) -> str:

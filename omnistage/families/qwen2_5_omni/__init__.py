@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,6 +37,7 @@ class OmniPipeline(TextPipeline):
     config: Any = None
     voices: tuple[str, ...] = ()
     voice_bos: dict[str, int] | None = None
+    audio_sample_rate: ClassVar[int | None] = models.SAMPLE_RATE
 
     # ---- the caller's request -> the thinker's input ------------------------------------------
 
@@ -155,7 +156,7 @@ class OmniPipeline(TextPipeline):
         if stage == "token2wav":
             audio = out.tensors.get("audio")
             return OmniOutput(out.request_id, audio=None if audio is None else audio.numpy(),
-                              sample_rate=models.SAMPLE_RATE)
+                              sample_rate=self.audio_sample_rate)
         return super().to_output(stage, out)
 
     def talker_params(self, request: OmniRequest) -> SamplingParams:
