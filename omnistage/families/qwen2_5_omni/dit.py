@@ -116,9 +116,10 @@ class DiTSolver:
         if lengths is not None:
             lengths = torch.cat([lengths, lengths])  # the guided rows, then the unguided ones
         probe = noise.new_empty(0, 0, 3, self.heads, self.head_dim)  # the layout block_attention will get
-        masks = self._masks(frames, noise.device, lengths) if not fused_available(probe) else {}
+        torch_path = not fused_available(probe)  # which alone reads masks
+        masks = self._masks(frames, noise.device, lengths) if torch_path else {}
         seam = None if kept is None else _Seam(self, kept, has_kept, keep, frames, (cos, sin, 1))
-        if seam is not None and not fused_available(probe):  # the torch path's masks over [kept; window]
+        if seam is not None and torch_path:  # masks over [kept; window]
             for reach in {self.reach[i] for i in self.back_layers}:
                 masks[("kept", *reach)] = kept_window_mask(frames, self.block_size, *reach, noise.device, lengths,
                                                            self.kept_frames, seam.lengths)

@@ -360,7 +360,7 @@ class Token2Wav:
             done, (_, keep_end, _), lo = inp.params.get("emitted", 0), plans[i], spans[i][0]
             first = (done * r - lo) * self.HOP
             inp.params["emitted"] = keep_end
-            if self.vocoder_context:  # the kept mel frames' last ones: the next window's vocoder context
+            if self.kept_context and self.vocoder_context:  # the next window's vocoder context on the left
                 kept_mel = vocoder_mels[i][:, :, : keep_end * r - lo]
                 inp.params["mel_tail"] = kept_mel[:, :, max(0, kept_mel.shape[-1] - self.vocoder_context) :]
             outputs.append(({"audio": waves[i][first : first + (keep_end - done) * r * self.HOP].cpu()},
