@@ -113,7 +113,7 @@ def test_bad_token_ids_are_never_sampled(engine) -> None:
 def test_a_steps_added_rows_mix_whole_rows_and_parts() -> None:
     from omnistage.engine.ar.model_runner import ModelRunner
 
-    a, b, c, d, e = (torch.randn(6) for _ in range(5))
+    a, b, c, d, e = (torch.randn(1, 6) for _ in range(5))  # rows as the engine keeps them: [1, D]
     got = ModelRunner._stacked_adds([a, (b, c), d, (e, a, b)])
-    torch.testing.assert_close(got, torch.stack([a, b + c, d, e + a + b]))
-    torch.testing.assert_close(ModelRunner._stacked_adds([(b, c), (d, e)]), torch.stack([b + c, d + e]))
+    torch.testing.assert_close(got, torch.cat([a, b + c, d, e + a + b]))
+    torch.testing.assert_close(ModelRunner._stacked_adds([(b, c), (d, e)]), torch.cat([b + c, d + e]))

@@ -174,13 +174,17 @@ class AREngine:
             seq.rope_positions = inp.rope_positions if old is None else torch.cat([old, inp.rope_positions], dim=1)
         if inp.rope_delta is not None:
             seq.rope_delta = inp.rope_delta
-        if seq.embed_adds is not None:
-            if isinstance(inp.embed_adds, tuple):  # parts of each row, summed at step time
-                seq.embed_adds.extend(zip(*inp.embed_adds, strict=True))
-            elif inp.embed_adds is not None:
-                seq.embed_adds.extend(inp.embed_adds)
+        if seq.embed_adds is not None:  # rows kept as [1, D] views (or tuples of them), concatenated at step time
+            adds = inp.embed_adds  # [n, D], or a tuple of parts of the same n rows, summed at step time
+            rows = 0 if adds is None else len(adds[0] if isinstance(adds, tuple) else adds)
+            if rows == 1:  # a streamed row: kept as it came (per request per step, so no torch call here)
+                seq.embed_adds.append(adds)
+            elif rows and isinstance(adds, tuple):
+                seq.embed_adds.extend(zip(*(part.split(1) for part in adds), strict=True))
+            elif rows:
+                seq.embed_adds.extend(adds.split(1))
             if inp.embed_add_default is not None:
-                seq.embed_add_default = inp.embed_add_default
+                seq.embed_add_default = inp.embed_add_default.reshape(1, -1)
             seq.adds_final = inp.final
 
     def abort(self, request_id: str) -> None:

@@ -235,15 +235,15 @@ class ModelRunner:
 
     @staticmethod
     def _stacked_adds(values: list[torch.Tensor | tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """A step's added rows as one tensor; rows given as parts (a tuple) are summed here, a few kernels for
-        the whole step rather than one per request."""
+        """A step's added rows ([1, D] each, Sequence.embed_adds) as one tensor; rows given as parts (a tuple)
+        are summed here, a few kernels for the whole step rather than one per request."""
         if all(isinstance(v, torch.Tensor) for v in values):
-            return torch.stack(values)
+            return torch.cat(values)
         parts = [v if isinstance(v, tuple) else (v,) for v in values]
-        out = torch.stack([p[0] for p in parts])
+        out = torch.cat([p[0] for p in parts])
         for k in range(1, max(len(p) for p in parts)):
             rows = [i for i, p in enumerate(parts) if len(p) > k]
-            more = torch.stack([parts[i][k] for i in rows])
+            more = torch.cat([parts[i][k] for i in rows])
             if len(rows) == len(parts):
                 out += more
             else:

@@ -36,7 +36,7 @@ class Sequence:
     return_hidden: bool = False  # output the engine's configured hidden-state layers for its tokens
     rope_positions: torch.Tensor | None = None  # [axes, n] rotary positions of the first n tokens
     rope_delta: int = 0  # rotary position of later tokens: index + delta
-    # added to generated positions' embeddings, in order; a tuple: parts summed at step time
+    # added to generated positions' embeddings, in order, as [1, D] rows; a tuple: parts summed at step time
     embed_adds: list[torch.Tensor | tuple[torch.Tensor, ...]] | None = None
     embed_add_default: torch.Tensor | None = None
     adds_final: bool = True  # no more `embed_adds` rows will arrive

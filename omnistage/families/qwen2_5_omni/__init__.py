@@ -184,9 +184,15 @@ def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOu
     """The thinker's reply, as states per computed token, becomes the talker's prompt and then its added
     rows. Streamed (`async_chunk`), the talker opens once the first reply token's states exist and gets
     each later row as the thinker computes it; otherwise `out` is the whole reply, at its end."""
+    feed = request.pipeline_state.get("talker_feed")
+    if feed is not None and feed["open"] and not out.finished:  # a row per request per thinker step: lean
+        if not out.hidden_states:
+            return None
+        tensors = {"thinker_embed": out.hidden_states["embed"], "thinker_last": out.hidden_states["last"]}
+        return StageInput(out.request_id, [], tensors=tensors, final=False)
+    if feed is None:
+        feed = request.pipeline_state["talker_feed"] = {"embed": [], "last": [], "first_token": None, "open": False}
     thinker_inp: StageInput = request.pipeline_state["thinker_input"]
-    feed = request.pipeline_state.setdefault("talker_feed", {"embed": [], "last": [], "first_token": None,
-                                                             "open": False})
     if out.hidden_states:
         feed["embed"].append(out.hidden_states["embed"])
         feed["last"].append(out.hidden_states["last"])
@@ -196,10 +202,7 @@ def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOu
     prompt_len = len(thinker_inp.token_ids)
     if not feed["open"] and rows <= prompt_len and not out.finished:
         return None  # the talker's prompt ends with the first reply token's states
-    if feed["open"] and not rows and not out.finished:
-        return None
-    # Runs once per thinker token per request on the thinker's loop: only what this chunk needs.
-    cfg, params = pipeline.config.talker_config, None
+    cfg, params = pipeline.config.talker_config, None  # (opening the talker, or the reply's end)
     tensors = {}
     if rows:  # no kernels here (a request per output): the talker sums a step's rows at once
         tensors["thinker_embed"], tensors["thinker_last"] = _joined(feed["embed"]), _joined(feed["last"])

@@ -168,17 +168,22 @@ class TalkerLM(hf.HFCausalLM):
             self._text_rows[token_id] = to_device(self.text_rows[token_id], self.device).to(self.kv_spec.dtype)
         return self._text_rows[token_id]
 
-    @torch.inference_mode()
     def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
         """First input: the whole prompt; later chunks: more reply rows (and the end of the reply)."""
         t = inp.tensors
         if not first and not inp.final:  # more reply rows: (last, embed) parts the engine sums a step at a time
-            last, embed = t.get("thinker_last"), t.get("thinker_embed")
-            if last is not None and (last.device != self.device or last.dtype != self.kv_spec.dtype):
-                inp.embed_adds = (last + embed).to(self.device, self.kv_spec.dtype)  # another GPU's rows
+            last, embed = t.get("thinker_last"), t.get("thinker_embed")  # (a row per request per thinker step:
+            if last is not None and (last.device != self.device or last.dtype != self.kv_spec.dtype):  # lean)
+                with torch.inference_mode():
+                    inp.embed_adds = (last + embed).to(self.device, self.kv_spec.dtype)  # another GPU's rows
             else:
                 inp.embed_adds = None if last is None else (last, embed)
             return inp
+        return self._prepare_whole(inp, first)
+
+    @torch.inference_mode()
+    def _prepare_whole(self, inp: StageInput, first: bool) -> StageInput:
+        t = inp.tensors
         rows = (t["thinker_last"] + t["thinker_embed"]).to(self.device, self.kv_spec.dtype) if "thinker_last" in t \
             else None
         if first:
