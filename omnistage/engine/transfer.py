@@ -1,4 +1,5 @@
-"""Host-to-device copies that do not wait for the device; streams to capture CUDA graphs on."""
+"""Copies between host and device that do not block the driver for other threads; streams to capture CUDA
+graphs on."""
 
 from __future__ import annotations
 
@@ -14,6 +15,23 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` on the host, waited for once. From CUDA through pinned memory and an event: a copy into pageable
+    memory waits inside the driver for its stream to get there, and other threads' CUDA calls on the device
+    (another stage's event records and graph launches) can wait behind it all that time (run 12: the talker's
+    steps stalled for whole flow-matching solves of token2wav, whose audio left that way). The results are
+    ordinary host tensors: the pinned blocks go back to PyTorch's host cache."""
+    if not any(t.device.type == "cuda" for t in tensors):
+        return [t.cpu() for t in tensors]
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, tensor in zip(pinned, tensors, strict=True):
+        host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(next(t.device for t in tensors if t.device.type == "cuda")))
+    done.synchronize()
+    return [host.clone() for host in pinned]
 
 
 def own_capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:

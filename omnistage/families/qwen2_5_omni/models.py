@@ -34,7 +34,7 @@ from torch import nn
 from transformers.initialization import no_init_weights
 
 from omnistage.engine.generation.graphs import BatchGraphs
-from omnistage.engine.transfer import to_device
+from omnistage.engine.transfer import to_device, to_host
 from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
@@ -357,10 +357,9 @@ class Token2Wav:
         vocoder_mels = {i: self._vocoder_mel(inputs[i], plans[i], spans[i], mels[i]) for i in plans}
         waves = self._grouped(plans, lambda i: spans[i][1] - spans[i][0],
                               lambda members: self.vocode(torch.cat([vocoder_mels[i] for i in members])))
-        outputs = []
+        audio = {}
         for i, inp in enumerate(inputs):
             if i not in plans:
-                outputs.append(({"audio": torch.zeros(0)}, inp.final))
                 continue
             done, (_, keep_end, _), lo = inp.params.get("emitted", 0), plans[i], spans[i][0]
             first = (done * r - lo) * self.HOP
@@ -368,9 +367,11 @@ class Token2Wav:
             if self.kept_context and self.vocoder_context:  # the next window's vocoder context on the left
                 kept_mel = vocoder_mels[i][:, :, : keep_end * r - lo]
                 inp.params["mel_tail"] = kept_mel[:, :, max(0, kept_mel.shape[-1] - self.vocoder_context) :]
-            outputs.append(({"audio": waves[i][first : first + (keep_end - done) * r * self.HOP].cpu()},
-                            inp.final and keep_end == len(inp.token_ids)))
-        return outputs
+            audio[i] = waves[i][first : first + (keep_end - done) * r * self.HOP]
+        audio = dict(zip(audio, to_host(list(audio.values())), strict=True))  # one wait, other stages unblocked
+        return [({"audio": audio.get(i, torch.zeros(0))},
+                 inp.final and (i not in plans or inp.params["emitted"] == len(inp.token_ids)))
+                for i, inp in enumerate(inputs)]
 
     @staticmethod
     def _grouped(items: dict[int, Any], key: Callable[[int], int], run: Callable[[list[int]], Any]
