@@ -103,6 +103,39 @@ def test_added_embeddings_streamed_with_stalls(engine, hf) -> None:
     assert expected != hf_greedy(hf, PROMPT, 8)
 
 
+def test_a_request_waiting_for_its_rows_is_not_left_behind_by_steps_in_flight(engine, hf) -> None:
+    """Request "a" has all its rows and can decode with steps kept in flight; "b" runs out of rows and gets each
+    next one three steps late. Once it arrives, b decodes on the next step: it does not wait for a chain of a's
+    in-flight steps to end. Both equal HF's tokens."""
+    torch.manual_seed(1)
+    rows = torch.randn(12, hf.config.hidden_size) * 0.5
+    default = torch.randn(hf.config.hidden_size) * 0.5
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine.add_request(StageInput("a", PROMPT, params=long, embed_adds=rows, embed_add_default=default))
+    engine.add_request(StageInput("b", PROMPT, params=GREEDY, embed_adds=rows[:1], final=False))
+    tokens, fed, stalled, waits, since = {"a": [], "b": []}, 1, 0, [], None
+    for _ in range(100):
+        b = engine.seqs.get("b")
+        if b is not None and len(b.embed_adds) <= b.num_computed - b.num_prompt_tokens:  # b is out of rows
+            stalled += 1
+            if stalled > 3:  # its next row arrives (the 7th, b's last decode step's, says no more will)
+                engine.add_input_chunk("b", StageInput("b", embed_adds=rows[fed : fed + 1], final=fed == 6,
+                                                       embed_add_default=default))
+                fed, stalled, since = fed + 1, 0, 0
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+            if out.request_id == "b" and out.token_ids and since is not None:
+                waits.append(since)
+                since = None
+        since = None if since is None else since + 1
+        if not engine.has_work() and fed > 6:
+            break
+    assert tokens["a"] == hf_greedy(hf, PROMPT, 40, adds=lambda i: rows[i] if i < 12 else default)
+    assert tokens["b"] == hf_greedy(hf, PROMPT, 8, adds=lambda i: rows[i] if i < 7 else default)
+    assert engine.num_overlapped_steps > 5  # a's steps did run in flight (once b was done)
+    assert len(waits) == 6 and max(waits) == 0, waits  # b's token came from the step right after its row
+
+
 def test_bad_token_ids_are_never_sampled(engine) -> None:
     plain = run(engine, StageInput("p", PROMPT, params=GREEDY))["p"]
     banned = GREEDY.with_overrides(bad_token_ids=plain[:2])

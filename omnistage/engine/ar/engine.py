@@ -355,14 +355,20 @@ class AREngine:
 
     def _advance_decode(self) -> list[StageOutput]:
         current, self.in_flight = self.in_flight, None
-        following = []
+        following, ending = [], set()
         if not self.scheduler.waiting:
             for seq in current.seqs:
                 # the token in flight makes num_tokens + 1; a sure finish by length gets no next step
-                last = seq.num_output_tokens + 1 >= seq.max_tokens or seq.num_tokens + 1 >= self.config.max_model_len
-                if (self.seqs.get(seq.request_id) is seq and not last and self._overlappable(seq)
-                        and self.block_manager.allocate(seq, 1)):
+                if seq.num_output_tokens + 1 >= seq.max_tokens or seq.num_tokens + 1 >= self.config.max_model_len:
+                    ending.add(id(seq))
+                elif self.seqs.get(seq.request_id) is seq and self._overlappable(seq):
                     following.append(seq)
+            # Only with every running sequence: one left out (its next input row has not arrived) would wait for
+            # the whole chain to end; without a step in flight the scheduler batches it as soon as it can run.
+            chained = ending | {id(s) for s in following}
+            if any(id(s) not in chained for s in self.scheduler.running) or not all(
+                    self.block_manager.allocate(seq, 1) for seq in following):
+                following = []
         try:
             if following:
                 self.in_flight = self._launch(following, previous=current)
