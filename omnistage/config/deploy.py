@@ -47,10 +47,6 @@ class StageConfig(_Strict):
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
         "favours when stages share it; None: high for autoregressive stages (short steps a request waits on), "
         "normal for the rest")
-    cuda_stream: str | None = Field(
-        None, description="inline stages on a GPU that name the same stream share it: their steps run one after "
-        "the other, each on the whole GPU, instead of interleaving kernel by kernel (where the lighter stage's "
-        "kernels wait for multiprocessors behind the other's); None: the stage's own stream")
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict, description="Stage-specific knobs its family documents")
 

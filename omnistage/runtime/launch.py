@@ -41,12 +41,9 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
     backend = pipeline.deploy.worker_backend
     links = connector_choice(pipeline)
     if backend == "inline":
-        streams: dict = {}  # shared CUDA streams by (name, device index); restarted replicas find theirs again
-
         def make_worker(stage: str, replica: int, on_outputs: OutputCallback, on_exit: ExitCallback):
-            cfg = pipeline.stage_config(stage)
             return InlineStageWorker(stage, replica, pipeline.build_engine(stage), on_outputs, on_exit,
-                                     cfg.stream_priority, cfg.cuda_stream, streams)
+                                     pipeline.stage_config(stage).stream_priority)
 
         return Orchestrator(pipeline, make_worker)
 

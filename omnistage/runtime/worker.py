@@ -206,17 +206,10 @@ class InlineStageWorker:
     kernels a request waits on, step after step) get a high-priority stream, so their kernels take the next
     free multiprocessors ahead of a long solve's queue. GPU tensors handed over from another stage are read only
     after the stream that wrote them got there (an event, no host wait), and the allocator is told
-    this stream uses them, so their memory is not reused before it has read them.
-
-    Stages may instead share a named stream (`shared_stream`, looked up in and added to `streams`): their
-    steps then run one after the other, each on the whole GPU. Two decode loops on their own streams interleave
-    kernel by kernel, and each kernel of the one with less work waits for free multiprocessors behind the
-    other's; on one stream a step waits at most for the other's steps queued before it. The shared stream has
-    the priority of the first stage that asked for it."""
+    this stream uses them, so their memory is not reused before it has read them."""
 
     def __init__(self, stage: str, replica: int, engine: Engine, on_outputs: OutputCallback,
-                 on_exit: ExitCallback | None = None, stream_priority: str | None = None,
-                 shared_stream: str | None = None, streams: dict[tuple[str, int], torch.cuda.Stream] | None = None):
+                 on_exit: ExitCallback | None = None, stream_priority: str | None = None):
         self.stage, self.replica = stage, replica
         self.inflight = InFlight(stage, replica, on_outputs)
         self.on_exit = on_exit
@@ -224,15 +217,8 @@ class InlineStageWorker:
         device = getattr(engine, "device", None)
         self.stream = None
         if device is not None and torch.device(device).type == "cuda":
-            device = torch.device(device)
-            key = (shared_stream, device.index if device.index is not None else torch.cuda.current_device())
-            self.stream = streams.get(key) if shared_stream is not None and streams is not None else None
-            if self.stream is None:
-                latency_bound = getattr(engine, "latency_bound", False)
-                high = stream_priority == "high" or (stream_priority is None and latency_bound)
-                self.stream = torch.cuda.Stream(device, priority=-1 if high else 0)
-                if shared_stream is not None and streams is not None:
-                    streams[key] = self.stream
+            high = stream_priority == "high" or (stream_priority is None and getattr(engine, "latency_bound", False))
+            self.stream = torch.cuda.Stream(device, priority=-1 if high else 0)
             torch.cuda.synchronize(device)  # what building the engine left on the default stream is done
         self.loop = EngineLoop(stage, engine, self._report, receive=self._receive)
         self._stopping = False

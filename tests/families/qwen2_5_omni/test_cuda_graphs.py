@@ -6,8 +6,8 @@
 - token2wav's captured flow-matching solves, replayed for other requests (other voices and codes)
   of the same window shapes, alone and in a batch split over several graphs, give the same audio as
   eager solves.
-- Inline stages, each on its own CUDA stream or the two decoding stages on one, give the same text, codes
-  and audio as stages in their own processes.
+- Inline stages, each on its own CUDA stream, give the same text, codes and audio as stages in their
+  own processes.
 """
 
 from __future__ import annotations
@@ -98,32 +98,25 @@ def test_token2wav_graph_replays_equal_eager_solves(tiny_qwen2_5_omni: str) -> N
 
 
 def test_inline_stage_streams_equal_stage_processes(tiny_qwen2_5_omni: str) -> None:
-    """Inline stages share the GPU on three streams (or the thinker and talker on one, `cuda_stream`) and hand
-    the thinker's states to the talker on the device; process stages hand them over through shared memory. Four
-    concurrent requests, same outputs."""
+    """Inline stages share the GPU on three streams and hand the thinker's states to the talker on the
+    device; process stages hand them over through shared memory. Four concurrent requests, same outputs."""
     prompts = [[{"role": "user", "content": f"Tell me about mountains, part {i}."}] for i in range(4)]
     params = {"thinker": SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.05, ignore_eos=True)}
     results = {}
-    for run in ("inline", "shared", "process"):
+    for backend in ("inline", "process"):
         stage = {"max_model_len": 512, "kv_cache_memory_gb": 0.25, "devices": "0"}
-        decode = {**stage, "cuda_stream": "decode"} if run == "shared" else stage
-        deploy = {"async_chunk": True, "worker_backend": "process" if run == "process" else "inline",
-                  "stages": {"thinker": decode, "talker": decode, "token2wav": {"devices": "0", "options": WINDOWS}}}
+        deploy = {"async_chunk": True, "worker_backend": backend,
+                  "stages": {"thinker": stage, "talker": stage, "token2wav": {"devices": "0", "options": WINDOWS}}}
         with Omni(tiny_qwen2_5_omni, deploy) as omni:
-            results[run] = omni.generate(prompts, params, ("text", "audio"))
-            if run == "process":
-                continue
-            streams = {name: workers[0].stream for name, workers in omni.orchestrator.workers.items()}
-            # decoding stages' streams are favoured by the GPU's block scheduler
-            assert streams["thinker"].priority == streams["talker"].priority < streams["token2wav"].priority == 0
-            assert (streams["thinker"] == streams["talker"]) == (run == "shared")
-            assert streams["token2wav"] not in (streams["thinker"], streams["talker"])
-    for run in ("inline", "shared"):
-        for inline, process in zip(results[run], results["process"], strict=True):
-            assert inline.error is None and process.error is None
-            assert inline.token_ids == process.token_ids and inline.audio.size > 0
-            np.testing.assert_allclose(inline.audio, process.audio, rtol=0, atol=1e-5)
+            results[backend] = omni.generate(prompts, params, ("text", "audio"))
+            if backend == "inline":  # decoding stages' streams are favoured by the GPU's block scheduler
+                priority = {name: workers[0].stream.priority for name, workers in omni.orchestrator.workers.items()}
+                assert priority["thinker"] == priority["talker"] < priority["token2wav"] == 0, priority
+    for inline, process in zip(results["inline"], results["process"], strict=True):
+        assert inline.error is None and process.error is None
+        assert inline.token_ids == process.token_ids and inline.audio.size > 0
+        np.testing.assert_allclose(inline.audio, process.audio, rtol=0, atol=1e-5)
 
 
 def test_batch_graphs_fall_back_to_eager_when_a_capture_fails() -> None:
