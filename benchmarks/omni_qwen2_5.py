@@ -212,7 +212,7 @@ class GcPauses:
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
          backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
-         overlap_decode: bool = True, overlap_sampled: bool = False, settings: dict[str, Any] | None = None,
+         overlap_decode: bool = True, overlap_sampled: bool | None = None, settings: dict[str, Any] | None = None,
          timeline_out: Path | None = None, gc_compare: bool = False, switch_intervals: list[float] = ()) -> None:
     limit, vocab = codec_limits(path)
     params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
@@ -221,8 +221,9 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     deploy = yaml.safe_load(DEPLOY.read_text())
     deploy["worker_backend"] = backend
     for name in ("thinker", "talker"):
-        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency), overlap_decode=overlap_decode,
-                                       overlap_sampled=overlap_sampled)
+        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency), overlap_decode=overlap_decode)
+        if overlap_sampled is not None:  # else the deploy config's (on for the talker)
+            deploy["stages"][name]["overlap_sampled"] = overlap_sampled
     deploy["stages"]["token2wav"].update(max_num_seqs=max(concurrency), dtype=token2wav_dtype)
     deploy["stages"]["token2wav"]["options"]["tf32"] = tf32
     if stream_priority != "auto":
@@ -285,7 +286,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             wall = statistics.median(w for _, w in runs)
             audio = sum(r["audio"] for r in runs[0][0])
             record(part="omnistage", backend=deploy["worker_backend"], token2wav_dtype=token2wav_dtype, tf32=tf32,
-                   stream_priority=stream_priority, overlap_decode=overlap_decode, overlap_sampled=overlap_sampled,
+                   stream_priority=stream_priority, overlap_decode=overlap_decode,
+                   overlap_sampled=deploy["stages"]["talker"].get("overlap_sampled", False),
                    settings=settings or {}, concurrency=n, requests=len(runs[0][0]),
                    prompt_tokens=results[0]["prompt"],
                    thinker_tokens=thinker_tokens, codes=codes,
@@ -339,8 +341,8 @@ def main() -> None:
     ap.add_argument("--stream-priority", choices=["auto", "normal"], default="auto",
                     help="inline stages' CUDA stream priorities: auto (thinker and talker high) or all normal")
     ap.add_argument("--no-overlap", action="store_true", help="AR stages read each step's tokens before the next")
-    ap.add_argument("--overlap-sampled", action="store_true",
-                    help="sampled (talker) decode steps in flight too, drawn on the device")
+    ap.add_argument("--overlap-sampled", choices=["on", "off"],
+                    help="sampled (talker) decode steps in flight, drawn on the device; default: the deploy config's")
     ap.add_argument("--wave-timeout", type=float, default=240.0, help="seconds before a wave counts as stuck")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--profile", type=Path, help="also write a torch profiler trace of one wave per concurrency here")
@@ -374,7 +376,7 @@ def main() -> None:
                 ours(path, thinker_tokens, codes, concurrency, record, backend, args.wave_timeout,
                      token2wav_dtype=args.token2wav_dtype, tf32=args.tf32, stream_priority=args.stream_priority,
                      profile_dir=args.profile, overlap_decode=not args.no_overlap,
-                     overlap_sampled=args.overlap_sampled,
+                     overlap_sampled=None if args.overlap_sampled is None else args.overlap_sampled == "on",
                      settings={k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)},
                      timeline_out=args.timeline, gc_compare=args.gc_compare,
                      switch_intervals=[float(x) for x in args.switch_intervals.split(",") if x])

@@ -290,7 +290,8 @@ class Qwen25OmniFamily:
             "async_chunk": True,
             "stages": {
                 "thinker": {"gpu_memory_utilization": 0.55},
-                "talker": {"gpu_memory_utilization": 0.25, "default_sampling_params": talker},
+                "talker": {"gpu_memory_utilization": 0.25, "default_sampling_params": talker,
+                           "overlap_sampled": True},
                 "token2wav": {"max_num_seqs": 32, "options": {"window": 48, "max_window": 96}},
             },
         }
