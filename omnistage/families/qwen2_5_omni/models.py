@@ -172,8 +172,9 @@ class TalkerLM(hf.HFCausalLM):
         """First input: the whole prompt; later chunks: more reply rows (and the end of the reply)."""
         t = inp.tensors
         if not first and not inp.final:  # more reply rows: (last, embed) parts the engine sums a step at a time
-            last, embed = t.get("thinker_last"), t.get("thinker_embed")  # (a row per request per thinker step:
-            if last is not None and (last.device != self.device or last.dtype != self.kv_spec.dtype):  # lean)
+            # (a row per request per thinker step, so no inference-mode context unless there is work for one)
+            last, embed = t.get("thinker_last"), t.get("thinker_embed")
+            if last is not None and (last.device != self.device or last.dtype != self.kv_spec.dtype):
                 with torch.inference_mode():
                     inp.embed_adds = (last + embed).to(self.device, self.kv_spec.dtype)  # another GPU's rows
             else:
@@ -183,6 +184,7 @@ class TalkerLM(hf.HFCausalLM):
 
     @torch.inference_mode()
     def _prepare_whole(self, inp: StageInput, first: bool) -> StageInput:
+        """The first input (the talker's prompt from the thinker's) or the last (the reply's end)."""
         t = inp.tensors
         rows = (t["thinker_last"] + t["thinker_embed"]).to(self.device, self.kv_spec.dtype) if "thinker_last" in t \
             else None
