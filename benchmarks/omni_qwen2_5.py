@@ -294,6 +294,9 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    ttfp_s_median=round(statistics.median(r["ttfp"] for r in results), 3),
                    e2e_s_median=round(statistics.median(r["e2e"] for r in results), 3),
                    rtf_median=round(statistics.median(r["e2e"] / r["audio"] for r in results), 3),
+                   # the slowest requests: a median can hide a few left far behind (run 12e)
+                   e2e_s_max=round(max(r["e2e"] for r in results), 3),
+                   rtf_max=round(max(r["e2e"] / r["audio"] for r in results), 3),
                    playback_stall_s_median=round(statistics.median(r["stall"] for r in results), 3),
                    requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2),
                    stages=stage_steps(before, after), gc_startup_objects=collector, gc_pauses=pauses.take(),
