@@ -34,6 +34,11 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [host.clone() for host in pinned]
 
 
+def host_list(tensor: torch.Tensor) -> list:
+    """`tensor.tolist()`, its copy to the host made as `to_host` makes it."""
+    return to_host([tensor])[0].tolist()
+
+
 def own_capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
     """A stream to capture one component's CUDA graphs on. cuBLAS keeps a workspace per (handle, stream) and
     a graph keeps the one it was captured with: graphs captured on torch's shared default capture stream

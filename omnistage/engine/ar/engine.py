@@ -16,7 +16,7 @@ from omnistage.engine.ar.model_runner import DecodeLaunch, ModelRunner
 from omnistage.engine.ar.sampler import Sampler, SampleRow, SamplingColumns, TokenHistory
 from omnistage.engine.ar.scheduler import Scheduler
 from omnistage.engine.ar.sequence import SeqStatus, Sequence
-from omnistage.engine.transfer import to_device, to_host
+from omnistage.engine.transfer import host_list, to_device
 from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import ConfigError, RequestError
 from omnistage.sampling_params import SamplingParams
@@ -292,9 +292,9 @@ class AREngine:
         (cached columns, token history: no per-step lists) unless a row asks for logprobs; else from the rows'
         own token lists."""
         if argmax is not None and all(s.params.plain_greedy and not self._banned(s) for s in seqs):
-            return to_host([argmax])[0].tolist(), [None] * len(seqs)
+            return host_list(argmax), [None] * len(seqs)
         if all(s.params.logprobs is None for s in seqs):
-            return to_host([self._draw(seqs, logits, set())])[0].tolist(), [None] * len(seqs)
+            return host_list(self._draw(seqs, logits, set())), [None] * len(seqs)
         return self.sampler(logits, [self._sample_row(s) for s in seqs], argmax)
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, pending: set[int]) -> torch.Tensor:

@@ -237,8 +237,6 @@ class ModelRunner:
     def _stacked_adds(values: list[torch.Tensor | tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """A step's added rows ([1, D] each, Sequence.embed_adds) as one tensor; rows given as parts (a tuple)
         are summed here, a few kernels for the whole step rather than one per request."""
-        if all(isinstance(v, torch.Tensor) for v in values):
-            return torch.cat(values)
         parts = [v if isinstance(v, tuple) else (v,) for v in values]
         out = torch.cat([p[0] for p in parts])
         for k in range(1, max(len(p) for p in parts)):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omnistage.engine.transfer import to_device, to_host
+from omnistage.engine.transfer import host_list, to_device
 from omnistage.engine.types import TokenLogprob
 from omnistage.sampling_params import SamplingParams
 
@@ -225,13 +225,12 @@ class Sampler:
         """`argmax`: the logits' argmax if already computed (inside a CUDA graph); used as is
         when every row is plain greedy."""
         if argmax is not None and all(r.params.plain_greedy and not r.banned_ids for r in rows):
-            return to_host([argmax])[0].tolist(), [None] * len(rows)
+            return host_list(argmax), [None] * len(rows)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
         cols = self.columns(rows, logits.shape[-1], logits.device)
         logits = penalize(logits, cols, *history_from_lists(rows, cols, logits.shape[-1], logits.device))
-        chosen = choose(logits, cols, lambda probs: self._exponential_noise(probs, cols.generators))
-        token_ids = to_host([chosen])[0].tolist()
+        token_ids = host_list(choose(logits, cols, lambda probs: self._exponential_noise(probs, cols.generators)))
         return token_ids, self._logprobs(raw_logprobs, token_ids, rows)
 
     def columns(self, rows: list[SampleRow], vocab: int, device: torch.device) -> SamplingColumns:
