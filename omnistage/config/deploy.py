@@ -42,6 +42,11 @@ class StageConfig(_Strict):
     overlap_sampled: bool = Field(
         False, description="Also keep sampled (or penalised) decode steps in flight, drawing tokens on the device "
         "(the same tokens). On for the Qwen2.5-Omni talker (its RTF for one request on an H200: 0.161 vs 0.184)")
+    decode_burst: int = Field(
+        1, ge=1, le=64, description="Decode steps per launch when every running sequence can take them (tokens "
+        "drawn on the device, one CUDA graph replay per burst; needs overlap_decode, and overlap_sampled for "
+        "sampled requests). For small models whose step is shorter than the host's work for it: on for the "
+        "Qwen2.5-Omni talker")
     enforce_eager: bool = False
     stream_priority: Literal["high", "normal"] | None = Field(
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "

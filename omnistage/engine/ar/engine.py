@@ -13,7 +13,7 @@ from omnistage.engine.ar.detokenizer import IncrementalDetokenizer
 from omnistage.engine.ar.memory import plan_num_blocks
 from omnistage.engine.ar.model import ARModel
 from omnistage.engine.ar.model_runner import DecodeLaunch, ModelRunner
-from omnistage.engine.ar.sampler import Sampler, SampleRow, SamplingColumns, TokenHistory
+from omnistage.engine.ar.sampler import Sampler, SampleRow, SamplingColumns, StaticDraw, TokenHistory
 from omnistage.engine.ar.scheduler import Scheduler
 from omnistage.engine.ar.sequence import SeqStatus, Sequence
 from omnistage.engine.transfer import host_list, to_device
@@ -39,6 +39,7 @@ class AREngineConfig:
     enable_chunked_prefill: bool = True
     overlap_decode: bool = True  # keep a greedy decode step in flight while the host handles the last
     overlap_sampled: bool = False  # ... and sampled / penalised ones (tokens drawn on the device)
+    decode_burst: int = 1  # decode steps per launch (one graph replay) when every sequence can take them
     # Hidden states a request can ask for: output name -> layer (0 = embeddings, L = final).
     hidden_state_layers: dict[str, int] = field(default_factory=dict)
     default_params: SamplingParams = field(default_factory=SamplingParams)
@@ -66,7 +67,7 @@ class AREngine:
         self._hidden_layers = tuple(sorted(set(config.hidden_state_layers.values())))
         self.runner = ModelRunner(
             model, config.block_size, config.max_num_seqs, config.max_model_len, config.enforce_eager,
-            graph_layers=self._hidden_layers,
+            graph_layers=self._hidden_layers, burst_steps=config.decode_burst,
         )
         activation_bytes = self.runner.profile(max_batched)
         num_blocks = plan_num_blocks(
@@ -86,10 +87,17 @@ class AREngine:
         self.seqs: dict[str, Sequence] = {}
         self.in_flight: DecodeLaunch | None = None  # a decode step whose tokens are unread
         self.num_overlapped_steps = 0
+        self.num_burst_steps = 0  # decode steps run inside bursts
         self.history: TokenHistory | None = None  # decoding sequences' tokens on the device, for penalties
-        self._free_history_slots = list(range(config.max_num_seqs))
+        self._free_history_slots = list(range(config.max_num_seqs))  # row max_num_seqs: padded burst rows'
         self._columns: tuple[tuple, SamplingColumns, torch.Tensor] | None = None  # the last decode batch's
         self._arrivals = 0
+        self._static_draw: StaticDraw | None = None
+        if self.runner.graphs and self.runner.burst_steps > 1:
+            self.history = TokenHistory(config.max_num_seqs + 1, model.vocab_size, model.device)
+            self._static_draw = StaticDraw(self.sampler, self.history, config.max_num_seqs, model.vocab_size,
+                                           pad_slot=config.max_num_seqs)
+            self.runner.capture_bursts(self._static_draw, self.sampler.device_generator(model.device))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -205,6 +213,7 @@ class AREngine:
             "kv_blocks_total": self.block_manager.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_overlapped_steps": self.num_overlapped_steps,
+            "num_burst_steps": self.num_burst_steps,
         }
 
     def shutdown(self) -> None:
@@ -279,12 +288,52 @@ class AREngine:
             and (seq.embed_adds is None or seq.adds_final or pos - seq.num_prompt_tokens < len(seq.embed_adds))
         )
 
-    def _launch(self, seqs: list[Sequence], previous: DecodeLaunch | None = None) -> DecodeLaunch:
+    def _launch(self, seqs: list[Sequence], previous: DecodeLaunch | None = None, steps: int = 1) -> DecodeLaunch:
+        pending = {id(s): previous.steps for s in previous.seqs} if previous is not None else {}
+        if steps > 1:
+            return self._launch_burst(seqs, previous, steps, pending)
         layers = self._hidden_layers if any(s.return_hidden for s in seqs) else ()
         if all(s.params.plain_greedy for s in seqs):
             return self.runner.launch_decode(seqs, previous, output_layers=layers)  # the argmax, from the graph
-        pending = {id(s) for s in previous.seqs} if previous is not None else set()
         return self.runner.launch_decode(seqs, previous, lambda logits: self._draw(seqs, logits, pending), layers)
+
+    # ---- decode bursts -----------------------------------------------------------------------------
+    # With `decode_burst` K > 1, a chain of in-flight steps launches K steps at once when every sequence can take
+    # them: each step's tokens are drawn on the device and fed to the next, so the host works once per K tokens
+    # (on CUDA one graph replay). A sequence qualifies while nothing it needs can change inside the burst: its
+    # added rows (a talker's thinker states) for all K positions have arrived, it has K tokens left, no own seed
+    # (its generator cannot be captured), no hidden states to hand on. Tokens after a stop are discarded.
+
+    def _burst_steps(self, seqs: list[Sequence], in_flight: int) -> int:
+        """K if every sequence can decode K more tokens in one burst (after `in_flight` unread ones), else 1."""
+        k, limit = self.config.decode_burst, self.config.max_model_len
+        if k < 2:
+            return 1
+        for seq in seqs:
+            pos = seq.num_computed
+            if (
+                seq.generator is not None or seq.return_hidden
+                or seq.max_tokens - seq.num_output_tokens - in_flight < k or limit - seq.num_tokens - in_flight < k
+                or (seq.embed_adds is not None and not seq.adds_final
+                    and pos + k - seq.num_prompt_tokens > len(seq.embed_adds))
+                or (seq.rope_positions is not None and pos < seq.rope_positions.shape[1])
+                or (seq.embeds and any(pos + j in seq.embeds for j in range(k)))
+            ):
+                return 1
+        return k
+
+    def _launch_burst(self, seqs: list[Sequence], previous: DecodeLaunch | None, steps: int,
+                      pending: dict[int, int]) -> DecodeLaunch:
+        cols, slots = self._batch_columns(seqs, self.runner.model.vocab_size, self.device, pending)
+        if self._static_draw is not None and steps == self.runner.burst_steps and self.runner.has_burst_graph(
+                len(seqs)):
+            self._static_draw.load(cols, slots if cols.needs_history else None, len(seqs))
+        launch = self.runner.launch_burst(seqs, steps, lambda logits: self._draw_with(cols, slots, logits), previous)
+        self.num_burst_steps += steps
+        if cols.needs_history:
+            for seq in seqs:
+                seq.history_len += steps
+        return launch
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None
                 ) -> tuple[list[int], list]:
@@ -294,35 +343,40 @@ class AREngine:
         if argmax is not None and all(s.params.plain_greedy and not self._banned(s) for s in seqs):
             return host_list(argmax), [None] * len(seqs)
         if all(s.params.logprobs is None for s in seqs):
-            return host_list(self._draw(seqs, logits, set())), [None] * len(seqs)
+            return host_list(self._draw(seqs, logits, {})), [None] * len(seqs)
         return self.sampler(logits, [self._sample_row(s) for s in seqs], argmax)
 
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, pending: set[int]) -> torch.Tensor:
-        """Tokens drawn on the device, recorded into the token history when penalties need it. `pending`: the
-        sequences whose last token is still in flight."""
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, pending: dict[int, int]) -> torch.Tensor:
+        """Tokens drawn on the device, recorded into the token history when penalties need it. `pending`: how many
+        tokens of each sequence (by id) are still in flight."""
         cols, slots = self._batch_columns(seqs, logits.shape[-1], logits.device, pending)
-        history = self.history.rows(slots) if cols.needs_history else None
-        tokens = self.sampler.on_device(logits, cols, history)
+        tokens = self._draw_with(cols, slots, logits)
         if cols.needs_history:
-            self.history.record(slots, tokens)
             for seq in seqs:
                 seq.history_len += 1
         return tokens
 
-    def _batch_columns(self, seqs: list[Sequence], vocab: int, device: torch.device, pending: set[int]
+    def _draw_with(self, cols: SamplingColumns, slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        history = self.history.rows(slots) if cols.needs_history else None
+        tokens = self.sampler.on_device(logits, cols, history)
+        if cols.needs_history:
+            self.history.record(slots, tokens)
+        return tokens
+
+    def _batch_columns(self, seqs: list[Sequence], vocab: int, device: torch.device, pending: dict[int, int]
                        ) -> tuple[SamplingColumns, torch.Tensor]:
         """The batch's sampling columns and history slots, rebuilt only when its members change; a member's
         history is (re)loaded from its token lists when it misses tokens (drawn on the host meanwhile)."""
         if any(s.params.penalised for s in seqs):
             if self.history is None:
-                self.history = TokenHistory(self.config.max_num_seqs, vocab, device)
+                self.history = TokenHistory(self.config.max_num_seqs + 1, vocab, device)
             for seq in seqs:
                 if seq.history_slot is None:
                     seq.history_slot = self._take_history_slot()
                     seq.history_len = -1
-                # a token still in flight was recorded by the step that drew it (this batch's sequences all
-                # decoded on the device path in that step); only tokens the host drew can be missing
-                if seq.history_len != seq.num_output_tokens + (id(seq) in pending):
+                # tokens still in flight were recorded by the steps that drew them (this batch's sequences all
+                # decoded on the device path in those steps); only tokens the host drew can be missing
+                if seq.history_len != seq.num_output_tokens + pending.get(id(seq), 0):
                     self.history.load(seq.history_slot, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids)
                     seq.history_len = seq.num_output_tokens
         key = tuple((s.arrival, s.history_slot, s.num_output_tokens < s.params.min_tokens) for s in seqs)
@@ -344,34 +398,45 @@ class AREngine:
         return self._free_history_slots.pop()
 
     def _start_decode(self, seqs: list[Sequence]) -> list[StageOutput]:
+        steps = self._allocate_steps(seqs, self._burst_steps(seqs, 0))  # >= 1: the scheduler allocated one
         try:
-            self.in_flight = self._launch(seqs)
+            self.in_flight = self._launch(seqs, steps=steps)
         except Exception as exc:
             logger.exception("stage %s: step failed", self.name)
             return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq in seqs]
         for seq in seqs:
-            seq.num_computed += 1
+            seq.num_computed += steps
         return self._advance_decode()
+
+    def _allocate_steps(self, seqs: list[Sequence], steps: int) -> int:
+        """Blocks for `steps` more positions of each sequence: `steps` if they fit, else 1 if that does, else 0."""
+        for n in dict.fromkeys((steps, 1)):
+            if all(self.block_manager.allocate(seq, n) for seq in seqs):
+                return n
+        return 0
 
     def _advance_decode(self) -> list[StageOutput]:
         current, self.in_flight = self.in_flight, None
-        following, ending = [], set()
+        following, ending, steps, unread = [], set(), 1, current.steps
         if not self.scheduler.waiting:
             for seq in current.seqs:
-                # the token in flight makes num_tokens + 1; a sure finish by length gets no next step
-                if seq.num_output_tokens + 1 >= seq.max_tokens or seq.num_tokens + 1 >= self.config.max_model_len:
+                # the tokens in flight make num_tokens + unread; a sure finish by length gets no next step
+                if seq.num_output_tokens + unread >= seq.max_tokens or (
+                        seq.num_tokens + unread >= self.config.max_model_len):
                     ending.add(id(seq))
                 elif self.seqs.get(seq.request_id) is seq and self._overlappable(seq):
                     following.append(seq)
             # Only with every running sequence: one left out (its next input row has not arrived) would wait for
             # the whole chain to end; without a step in flight the scheduler batches it as soon as it can run.
             chained = ending | {id(s) for s in following}
-            if any(id(s) not in chained for s in self.scheduler.running) or not all(
-                    self.block_manager.allocate(seq, 1) for seq in following):
+            if any(id(s) not in chained for s in self.scheduler.running):
                 following = []
+            elif following:
+                steps = self._allocate_steps(following, self._burst_steps(following, unread))
+                following = following if steps else []
         try:
             if following:
-                self.in_flight = self._launch(following, previous=current)
+                self.in_flight = self._launch(following, previous=current, steps=steps)
                 self.num_overlapped_steps += 1
             tokens = self.runner.read_tokens(current)
         except Exception as exc:
@@ -380,15 +445,18 @@ class AREngine:
             return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq in current.seqs
                     if self.seqs.get(seq.request_id) is seq]
         for seq in following:
-            seq.num_computed += 1
+            seq.num_computed += steps
         outputs: list[StageOutput] = []
-        for row, (seq, token) in enumerate(zip(current.seqs, tokens, strict=True)):
+        for row, seq in enumerate(current.seqs):
             if self.seqs.get(seq.request_id) is not seq:
                 continue  # finished or aborted while its step was in flight
             out = StageOutput(request_id=seq.request_id, stage=self.name)
             if seq.return_hidden and current.hidden:
                 self._collect_hidden(seq, out, current.hidden, (row, row + 1), current.positions[row])
-            self._append_token(seq, out, token, None)
+            for step_tokens in tokens:  # a burst's tokens after a stop are dropped
+                self._append_token(seq, out, step_tokens[row], None)
+                if out.finished:
+                    break
             self.block_manager.register_full_blocks(seq)
             self._emit(seq, out, outputs)
         return outputs
@@ -436,7 +504,7 @@ class AREngine:
         out.finished = reason is not None
         out.finish_reason = reason
         if seq.detokenizer:
-            out.text = seq.detokenizer.take(final=out.finished)
+            out.text += seq.detokenizer.take(final=out.finished)  # a burst appends several tokens to one output
 
     def _fail(self, seq: Sequence, message: str) -> StageOutput:
         self.abort(seq.request_id)

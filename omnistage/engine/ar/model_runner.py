@@ -5,6 +5,10 @@ On CUDA, steps where every sequence decodes one token replay a captured CUDA gra
 forward (plus the LM head) for the smallest batch-size bucket that fits; other steps run eagerly.
 The graphs also keep the hidden layers the engine may hand on (`graph_layers`) and, for models that
 declare `graph_embed_adds`, take per-row additions to the input embeddings (a talker's side input).
+
+A decode burst (`burst_steps` > 1) runs several decode steps per launch, each step's tokens drawn on the
+device and fed to the next: one graph replay (and one host round trip) per burst instead of per token, for
+small models whose step is shorter than the host's work for it.
 """
 
 from __future__ import annotations
@@ -42,8 +46,13 @@ class DecodeLaunch:
     tokens: torch.Tensor  # [n] chosen ids, on the device
     positions: list[int]  # the position each sequence computed
     hidden: dict[int, torch.Tensor]  # layer -> [n, hidden] for the computed positions (when asked for)
-    host_tokens: torch.Tensor | None = None  # pinned copy of `tokens`, filled asynchronously (CUDA)
+    all_tokens: torch.Tensor | None = None  # [steps, n]: every step's ids (a burst); `tokens` is the last row
+    host_tokens: torch.Tensor | None = None  # pinned copy of `all_tokens`, filled asynchronously (CUDA)
     done: torch.cuda.Event | None = None
+
+    @property
+    def steps(self) -> int:
+        return 1 if self.all_tokens is None else self.all_tokens.shape[0]
 
 
 @dataclass
@@ -75,7 +84,7 @@ def _bucket_sizes(max_batch: int) -> list[int]:
 class ModelRunner:
     def __init__(
         self, model: ARModel, block_size: int, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
-        graph_layers: tuple[int, ...] = (),
+        graph_layers: tuple[int, ...] = (), burst_steps: int = 1,
     ):
         self.model = model
         self.device = model.device
@@ -90,6 +99,9 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]] = {}
         self._dev_adds: torch.Tensor | None = None  # per-row embedding additions, when the model takes them
         self._input_slot = self._token_slot = 0
+        self.burst_steps = max(1, burst_steps)
+        self.burst_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
 
     # ---- memory ---------------------------------------------------------------------------
 
@@ -118,24 +130,29 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(self.model.kv_spec, num_blocks + 1, self.block_size, self.device)
         self.pad_slot = num_blocks * self.block_size
         if self.device.type == "cuda":  # two of each host buffer: one step may be in flight
-            self._host_tokens = [torch.zeros(self.max_num_seqs, dtype=torch.long).pin_memory() for _ in range(2)]
+            self._host_tokens = [torch.zeros(self.burst_steps, self.max_num_seqs, dtype=torch.long).pin_memory()
+                                 for _ in range(2)]
         if self.use_graphs:
             self._capture_graphs(num_blocks)
 
     def release(self) -> None:
         """Drop the KV cache and captured graphs (their memory pool) so the device memory returns."""
         self.graphs.clear()
+        self.burst_graphs.clear()
+        self._graph_pool = None
         self.kv_cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _pack(self, batch: list[tuple[Sequence, int]]) -> _Packed:
+    def _pack(self, batch: list[tuple[Sequence, int]], ahead: int = 0) -> _Packed:
+        """`ahead`: the rows of a burst's later step (positions that many past `num_computed`)."""
         bs = self.block_size
         p = _Packed([], [], [], [], [], [], [], [], [], [], [], [], [], [], [])
         for i, (seq, n) in enumerate(batch):
-            start, end = seq.num_computed, seq.num_computed + n
+            start = seq.num_computed + ahead
+            end = start + n
             row = len(p.ids)
             plain = seq.cacheable  # no per-position extras: the common case stays a list extend
             for pos in range(start, end) if not plain else ():
@@ -280,22 +297,57 @@ class ModelRunner:
             logits = self.model.compute_logits(last)
             argmax = logits.argmax(dim=-1) if sample is None else None
         tokens = argmax if sample is None else sample(logits)
-        launch = DecodeLaunch(seqs, tokens, p.positions, hidden)
+        return self._launched(DecodeLaunch(seqs, tokens, p.positions, hidden))
+
+    def _launched(self, launch: DecodeLaunch) -> DecodeLaunch:
+        """Start the launch's tokens on their way to the host (CUDA: a pinned buffer and an event)."""
         if self.device.type == "cuda":
             self._token_slot ^= 1
-            launch.host_tokens = self._host_tokens[self._token_slot]
-            launch.host_tokens[: len(seqs)].copy_(tokens, non_blocking=True)
+            rows = launch.tokens[None] if launch.all_tokens is None else launch.all_tokens
+            launch.host_tokens = self._host_tokens[self._token_slot][: rows.shape[0], : rows.shape[1]]
+            launch.host_tokens.copy_(rows, non_blocking=True)
             launch.done = torch.cuda.Event()
             launch.done.record()
         return launch
 
     @staticmethod
-    def read_tokens(launch: DecodeLaunch) -> list[int]:
-        """Wait for that one step (not for any launched after it) and return its tokens."""
+    def read_tokens(launch: DecodeLaunch) -> list[list[int]]:
+        """Wait for that one launch (not for any launched after it) and return its tokens, one list per step."""
         if launch.done is None:
-            return launch.tokens.tolist()
+            rows = launch.tokens[None] if launch.all_tokens is None else launch.all_tokens
+            return rows.tolist()
         launch.done.synchronize()
-        return launch.host_tokens[: len(launch.seqs)].tolist()
+        return launch.host_tokens.tolist()
+
+    # ---- decode bursts ---------------------------------------------------------------------
+
+    def has_burst_graph(self, num_seqs: int) -> bool:
+        return bool(self.burst_graphs) and num_seqs <= max(self.burst_graphs)
+
+    @torch.inference_mode()
+    def launch_burst(self, seqs: list[Sequence], steps: int, draw: Callable[[torch.Tensor], torch.Tensor],
+                     previous: DecodeLaunch | None = None) -> DecodeLaunch:
+        """`steps` decode steps for each sequence (positions `num_computed` on, blocks already allocated), each
+        step's tokens drawn by `draw(logits)` on the device and fed to the next, without waiting for the device.
+        With a captured burst graph (`steps == burst_steps`) the whole burst is one replay and `draw` is the one
+        captured in it (its inputs loaded beforehand); otherwise the steps run eagerly."""
+        batch = [(s, 1) for s in seqs]
+        p = self._pack(batch)
+        where = {id(s): i for i, s in enumerate(previous.seqs)} if previous else {}
+        pending = [(i, where[id(s)]) for i, s in enumerate(seqs) if s.num_computed >= s.num_tokens]
+        if steps == self.burst_steps and self.has_burst_graph(len(seqs)):
+            all_tokens = self._replay_burst(batch, p, previous, pending)
+        else:
+            ids = self._tensor(p.ids)
+            self._take_previous(ids, previous, pending)
+            drawn = []
+            for j in range(steps):
+                pj = p if j == 0 else self._pack(batch, ahead=j)
+                last, _ = self.model.forward(ids, self._rope(pj), self._metadata(pj), self._input_embeds(pj, ids))
+                ids = draw(self.model.compute_logits(last))
+                drawn.append(ids)
+            all_tokens = torch.stack(drawn)
+        return self._launched(DecodeLaunch(seqs, all_tokens[-1], p.positions, {}, all_tokens))
 
     def _take_previous(self, ids: torch.Tensor, previous: DecodeLaunch | None, pending: list[tuple[int, int]]) -> None:
         """Copy the still-unread tokens of `previous` into this step's input ids, on the device."""
@@ -351,9 +403,96 @@ class ModelRunner:
                 logits, argmax, layers = forward()
             pool = graph.pool()
             self.graphs[size] = (graph, logits, argmax, layers)
+        self._graph_pool = pool
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs",
                     len(sizes), sizes, time.perf_counter() - started)
+
+    def capture_bursts(self, draw: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator | None
+                       ) -> None:
+        """Capture a `burst_steps`-step decode graph per batch-size bucket (after `allocate_kv_cache`). `draw`
+        (logits [size, vocab] -> ids [size]) is captured with it: it must read only static buffers and draw its
+        noise from `generator` (registered with each graph, so replays advance it as eager draws do)."""
+        if not self.graphs or self.burst_steps < 2:
+            return
+        started = time.perf_counter()
+        sizes, steps, bs = sorted(self.graphs), self.burst_steps, self.block_size
+        n = sizes[-1]
+        self._burst_host_pair = [torch.zeros(3, n, dtype=torch.long).pin_memory() for _ in range(2)]  # ids, rope, pos
+        self._burst_inputs = torch.zeros(3, n, dtype=torch.long, device=self.device)
+        self._burst_tokens = torch.zeros(steps, n, dtype=torch.long, device=self.device)
+        if self._dev_adds is not None:
+            self._burst_adds = torch.zeros(steps, n, self._dev_adds.shape[1], dtype=self._dev_adds.dtype,
+                                           device=self.device)
+        self._pad_columns = -(-steps // bs)  # table columns a padded row's positions 0..steps-1 reach
+        self._host_tables[:, : self._pad_columns] = self.pad_block
+        self._dev_tables.copy_(self._host_tables)
+        capture_stream = own_capture_stream(self.device)
+        for size in reversed(sizes):
+            def burst(size: int = size) -> None:
+                ids, rope, pos = self._burst_inputs[:, :size]
+                tables = self._dev_tables[:size]
+                for j in range(steps):
+                    at = pos + j
+                    slots = tables.gather(1, (at // bs)[:, None])[:, 0].long() * bs + at % bs
+                    meta = AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=slots, block_tables=tables,
+                                             seq_lens=at + 1, cu_seqlens_q=self._cu_q[: size + 1], max_query_len=1)
+                    embeds = self.model.embed(ids) + self._burst_adds[j, :size] if self._dev_adds is not None else None
+                    hidden, _ = self.model.forward(ids, rope + j, meta, embeds)
+                    ids = draw(self.model.compute_logits(hidden))
+                    self._burst_tokens[j, :size].copy_(ids)
+
+            burst()  # warm up outside the capture (padding rows only: the spare block, the spare history row)
+            graph = torch.cuda.CUDAGraph()
+            if generator is not None:
+                graph.register_generator_state(generator)
+            with torch.cuda.graph(graph, pool=self._graph_pool, stream=capture_stream,
+                                  capture_error_mode="thread_local"):
+                burst()
+            self._graph_pool = graph.pool()
+            self.burst_graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d %d-step decode burst graphs in %.1fs", len(sizes), steps,
+                    time.perf_counter() - started)
+
+    def _replay_burst(self, batch: list[tuple[Sequence, int]], p: _Packed, previous: DecodeLaunch | None,
+                      pending: list[tuple[int, int]]) -> torch.Tensor:
+        n = len(batch)
+        size = next(b for b in sorted(self.burst_graphs) if b >= n)
+        self._input_slot ^= 1
+        host_long = self._burst_host_pair[self._input_slot]
+        self._host_tables = self._host_tables_pair[self._input_slot]
+        host = host_long.numpy()
+        host[0, :n], host[1, :n], host[2, :n] = p.ids, p.rope, p.positions
+        host[:, n:size] = 0  # padded rows: positions 0.. of the spare block
+        width = max(max(len(t) for t in p.tables), self._pad_columns)
+        self._host_tables[:n, :width] = torch.from_numpy(self._block_table_array(p.tables, n, width))
+        self._host_tables[n:size, : self._pad_columns] = self.pad_block
+        self._burst_inputs[:, :size].copy_(host_long[:, :size], non_blocking=True)
+        self._dev_tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
+        self._take_previous(self._burst_inputs[0], previous, pending)
+        if self._dev_adds is not None:
+            self._load_burst_adds(batch, size)
+        self.burst_graphs[size].replay()
+        return self._burst_tokens[:, :n]
+
+    def _load_burst_adds(self, batch: list[tuple[Sequence, int]], size: int) -> None:
+        """Each step's added rows into the burst's [steps, size, D] buffer (rows without one add zero). The
+        common case, every row's default for the whole burst (a talker after the reply), is one broadcast copy."""
+        steps, n = self.burst_steps, len(batch)
+        adds = [[seq.embed_add(seq.num_computed + j) for j in range(steps)] for seq, _ in batch]
+        buffer = self._burst_adds[:, :size]
+        if all(row[0] is not None and all(a is row[0] for a in row) for row in adds):
+            rows = self._stacked_adds([row[0] for row in adds]).to(device=self.device, dtype=buffer.dtype)
+            buffer[:, :n].copy_(rows[None].expand(steps, -1, -1))
+            return
+        buffer.zero_()
+        width = self._burst_adds.shape[1]
+        where = [j * width + i for i, row in enumerate(adds) for j, a in enumerate(row) if a is not None]
+        values = [a for row in adds for a in row if a is not None]
+        if values:
+            self._burst_adds.view(-1, buffer.shape[-1]).index_copy_(
+                0, self._tensor(where), self._stacked_adds(values).to(device=self.device, dtype=buffer.dtype))
 
     def _fill_padding(self, start: int, end: int) -> None:
         """Padded rows decode into the spare block and attend only to themselves."""

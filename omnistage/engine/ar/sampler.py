@@ -165,7 +165,7 @@ def _filter(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
     drop = rank >= cols.top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= cols.top_p
+    drop |= (mass_before >= cols.top_p) & (cols.top_p < 1.0)  # top_p 1 keeps all, even past float rounding
     drop |= probs < cols.min_p * probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -198,6 +198,56 @@ class TokenHistory:
         flat = slots * self.seen.shape[1] + token_ids
         self.seen.view(-1).scatter_(0, flat, True)
         self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
+
+
+class StaticDraw:
+    """The device-side draw a captured decode-burst graph runs: the sampling columns and history slots of up to
+    `rows` sequences in fixed buffers, loaded before each replay. Every feature is on; a row that does not use
+    one holds its neutral value (top-k = vocab, top-p 1, penalties 1 / 0, nothing banned), which draws exactly
+    what the columns without that feature draw. Padded rows record into the history's spare `pad_slot`."""
+
+    def __init__(self, sampler: Sampler, history: TokenHistory, rows: int, vocab: int, pad_slot: int):
+        device = history.seen.device
+        self.sampler, self.history, self.vocab, self.pad_slot = sampler, history, vocab, pad_slot
+
+        def column(value: float) -> torch.Tensor:
+            return torch.full((rows, 1), value, dtype=torch.float32, device=device)
+
+        self.cols = SamplingColumns(
+            temperature=column(1.0), greedy=torch.zeros(rows, dtype=torch.bool, device=device), all_greedy=False,
+            top_k=column(vocab), top_p=column(1.0), min_p=column(0.0), repetition=column(1.0),
+            frequency=column(0.0), presence=column(0.0),
+            ban=torch.zeros(rows, vocab, dtype=torch.bool, device=device), generators=(),
+        )
+        self.slots = torch.full((rows,), pad_slot, dtype=torch.long, device=device)
+        self._loaded: tuple[SamplingColumns, torch.Tensor | None, int] | None = None
+        self._neutral = {"greedy": False, "top_k": vocab, "top_p": 1.0, "min_p": 0.0, "repetition": 1.0,
+                         "frequency": 0.0, "presence": 0.0, "ban": False}
+
+    def load(self, cols: SamplingColumns, slots: torch.Tensor | None, n: int) -> None:
+        """A batch's columns (and history slots; None: it needs no history) into rows 0..n-1 (device copies,
+        skipped when the same batch comes back)."""
+        if self._loaded is not None and self._loaded[0] is cols and self._loaded[1] is slots and self._loaded[2] == n:
+            return
+        self.cols.temperature[:n].copy_(cols.temperature)
+        for name, neutral in self._neutral.items():
+            source, target = getattr(cols, name), getattr(self.cols, name)[:n]
+            target.copy_(source) if source is not None else target.fill_(neutral)
+        self.slots[:n].copy_(slots) if slots is not None else self.slots[:n].fill_(self.pad_slot)
+        self.slots[n:].fill_(self.pad_slot)  # padded rows never write a real sequence's history
+        self._loaded = (cols, slots, n)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [size, vocab] -> ids [size], recorded into the history (the same arithmetic as `on_device`)."""
+        size = logits.shape[0]
+        c = self.cols
+        cols = SamplingColumns(c.temperature[:size], c.greedy[:size], False, c.top_k[:size], c.top_p[:size],
+                               c.min_p[:size], c.repetition[:size], c.frequency[:size], c.presence[:size],
+                               c.ban[:size], ())
+        slots = self.slots[:size]
+        tokens = self.sampler.on_device(logits, cols, self.history.rows(slots))
+        self.history.record(slots, tokens)
+        return tokens
 
 
 class Sampler:
@@ -244,11 +294,15 @@ class Sampler:
         logits = penalize(logits.float(), cols, seen, counts)
         return choose(logits, cols, lambda probs: self._exponential_noise(probs, cols.generators))
 
+    def device_generator(self, device: torch.device) -> torch.Generator:
+        """The noise source of rows without their own seed (one per sampler, seeded once)."""
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
+
     def _exponential_noise(self, probs: torch.Tensor, generators: tuple[torch.Generator | None, ...]
                            ) -> torch.Tensor:
-        if self.generator is None or self.generator.device != probs.device:
-            self.generator = torch.Generator(device=probs.device).manual_seed(self.seed)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = torch.empty_like(probs).exponential_(generator=self.device_generator(probs.device))
         for i, generator in enumerate(generators):
             if generator is not None:
                 noise[i].exponential_(generator=generator)

@@ -89,6 +89,7 @@ def ar_engine(
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         overlap_decode=cfg.overlap_decode,
         overlap_sampled=cfg.overlap_sampled,
+        decode_burst=cfg.decode_burst,
         hidden_state_layers=hidden_state_layers or {},
         default_params=cfg.sampling_params(),
     )

@@ -1,5 +1,5 @@
 """Greedy tokens through omnistage equal HF transformers `generate`, for every engine feature
-that must not change outputs: batching, prefix caching, chunked prefill, preemption."""
+that must not change outputs: batching, prefix caching, chunked prefill, preemption, decode bursts."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ SETTINGS = {
     "preemption": {"num_kv_blocks": 36, "block_size": 4, "max_num_batched_tokens": 32},
     "one_seq_at_a_time": {"max_num_seqs": 1},
     "no_overlap": {"overlap_decode": False},
+    "bursts": {"decode_burst": 4},
+    "bursts_preemption": {"decode_burst": 5, "num_kv_blocks": 36, "block_size": 4, "max_num_batched_tokens": 32},
 }
 
 
@@ -74,15 +76,17 @@ def test_greedy_matches_hf(tiny_lm: str, hf_reference, setting: str) -> None:
     assert [o.error for o in outs] == [None] * len(outs)
     assert [o.token_ids for o in outs] == expected
     assert all(o.finish_reason == "length" for o in outs)
-    if setting == "preemption":
+    if "preemption" in setting:
         assert stats["num_preemptions"] > 0, "the setting was meant to force preemption"
+    assert (stats["num_burst_steps"] > 0) == ("bursts" in setting)
     assert (stats["num_overlapped_steps"] > 0) == (setting != "no_overlap")
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
 
 
-def test_stops_at_eos_like_hf(tiny_qwen2: str, hf_reference) -> None:
+@pytest.mark.parametrize("burst", [1, 4])
+def test_stops_at_eos_like_hf(tiny_qwen2: str, hf_reference, burst: int) -> None:
     prompts, expected = hf_reference(tiny_qwen2, stop_at_eos=True)
-    with Omni(tiny_qwen2, deploy()) as omni:
+    with Omni(tiny_qwen2, deploy(decode_burst=burst)) as omni:
         outs = omni.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0))
     assert [o.token_ids for o in outs] == expected
 
