@@ -288,6 +288,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             record(part="omnistage", backend=deploy["worker_backend"], token2wav_dtype=token2wav_dtype, tf32=tf32,
                    stream_priority=stream_priority, overlap_decode=overlap_decode,
                    overlap_sampled=deploy["stages"]["talker"].get("overlap_sampled", False),
+                   decode_burst=deploy["stages"]["talker"].get("decode_burst", 1),
                    settings=settings or {}, concurrency=n, requests=len(runs[0][0]),
                    prompt_tokens=results[0]["prompt"],
                    thinker_tokens=thinker_tokens, codes=codes,

@@ -7,7 +7,8 @@ sampling (temperature 0.9, top-k 40, top-p 0.8, repetition penalty 1.05) kept on
 
     python benchmarks/talker_steps.py --checkpoint /tmp/omni --batches 1,32 --out talker.jsonl   # GPU
     python benchmarks/talker_steps.py --checkpoint /tmp/omni --batches 1 --host-profile          # host time by function
-    python benchmarks/talker_steps.py --checkpoint /tmp/omni --kernel-profile   # device time by kernel (eager)
+    python benchmarks/talker_steps.py --checkpoint /tmp/omni --kernel-profile   # device time by kernel
+    python benchmarks/talker_steps.py --checkpoint /tmp/omni --bursts 1,4,8,16  # decode bursts of those lengths
     python benchmarks/talker_steps.py --tiny --codes 40                                          # CPU smoke run
 """
 
@@ -45,11 +46,11 @@ def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: Sa
 
 
 def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool = False,
-        kernel_profile: bool = False) -> None:
+        kernel_profile: bool = False, eager: bool = False, burst: int = 1) -> None:
     family, info = detect_family(path)
     deploy = load_deploy_config({"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
-                                                       "overlap_sampled": overlap_sampled,
-                                                       "enforce_eager": kernel_profile}}})
+                                                       "overlap_sampled": overlap_sampled, "decode_burst": burst,
+                                                       "enforce_eager": eager}}})
     pipeline = family.pipeline(info, deploy)
     engine = pipeline.build_engine("talker")
     params = SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -66,11 +67,11 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
             if kernel_profile and wave == "measured":
                 print_kernel_profile(engine, batch, sync)
             profiler = cProfile.Profile() if host_profile and wave == "measured" else None
-            steps, start = 0, time.perf_counter()
+            steps, drawn, start = 0, 0, time.perf_counter()
             if profiler:
                 profiler.enable()
             while engine.has_work():
-                engine.step()
+                drawn += sum(len(out.token_ids) for out in engine.step())
                 steps += 1
             sync()
             seconds = time.perf_counter() - start
@@ -78,14 +79,16 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
                 profiler.disable()
                 print(f"== host profile, batch {batch}, overlap_sampled={overlap_sampled}", flush=True)
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-        record(part="talker_steps", batch=batch, codes=codes, overlap_sampled=overlap_sampled, steps=steps,
-               ms_per_step=round(1000 * seconds / max(steps, 1), 3), overlapped_steps=engine.num_overlapped_steps)
+        record(part="talker_steps", batch=batch, codes=codes, overlap_sampled=overlap_sampled, decode_burst=burst,
+               eager=eager, steps=steps, ms_per_step=round(1000 * seconds / max(steps, 1), 3),
+               ms_per_code=round(1000 * seconds * batch / max(drawn, 1), 3),
+               overlapped_steps=engine.num_overlapped_steps, burst_steps=engine.num_burst_steps)
     finally:
         engine.shutdown()
 
 
 def print_kernel_profile(engine, batch: int, sync, steps: int = 20) -> None:
-    """Device time by kernel over `steps` eager decode steps (eager: each kernel keeps its op's name)."""
+    """Device time by kernel over `steps` engine steps (kernels replayed from CUDA graphs are listed too)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
@@ -95,8 +98,8 @@ def print_kernel_profile(engine, batch: int, sync, steps: int = 20) -> None:
         sync()
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     total = sum(getattr(e, key.replace("cuda", "device")) for e in prof.key_averages()) / 1000
-    print(f"== kernels, batch {batch}: {total / steps:.3f} ms of device time per step over {steps} eager steps",
-          flush=True)
+    print(f"== kernels, batch {batch}: {total / steps:.3f} ms of device time per step over {steps} steps "
+          f"(decode_burst {engine.config.decode_burst}, eager {engine.config.enforce_eager})", flush=True)
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=90), flush=True)
 
 
@@ -108,8 +111,9 @@ def main() -> None:
     ap.add_argument("--codes", type=int, default=600)
     ap.add_argument("--out")
     ap.add_argument("--host-profile", action="store_true", help="also print cProfile's top functions per run")
-    ap.add_argument("--kernel-profile", action="store_true",
-                    help="eager steps (no CUDA graphs) and a table of device time by kernel over 20 of them")
+    ap.add_argument("--kernel-profile", action="store_true", help="a table of device time by kernel over 20 steps")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (each kernel keeps its op's name)")
+    ap.add_argument("--bursts", default="1", help="decode_burst values to run (steps with overlap_sampled)")
     args = ap.parse_args()
 
     record = recorder(args.out)
@@ -125,8 +129,10 @@ def main() -> None:
 
             path = write_full_checkpoint(path or Path("/tmp/omni"))
     for batch in (int(b) for b in args.batches.split(",")):
-        for overlap_sampled in (False,) if args.kernel_profile else (False, True):
-            run(path, batch, args.codes, overlap_sampled, record, args.host_profile, args.kernel_profile)
+        for burst in (int(b) for b in args.bursts.split(",")):
+            for overlap_sampled in (True,) if burst > 1 or args.kernel_profile else (False, True):
+                run(path, batch, args.codes, overlap_sampled, record, args.host_profile, args.kernel_profile,
+                    args.eager, burst)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ banned ids), stops inside a burst end the request at the stop with the same text
 from __future__ import annotations
 
 import pytest
+import torch
 
 from omnistage import Omni
 from omnistage.config.deploy import load_deploy_config
@@ -85,3 +86,48 @@ def test_stop_strings_and_text_through_the_server_path(tiny_qwen2: str) -> None:
     assert outs[4][:4] == outs[1][:4]
     assert outs[4][3] == "stop" and len(outs[4][2]) < len(outs[4][0])
     assert outs[4][4]["num_burst_steps"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("num_prompts", [2, 3])
+def test_burst_graphs_draw_what_single_steps_draw(tiny_qwen2: str, num_prompts: int) -> None:
+    """On CUDA a burst is one graph replay with the draw captured in it (static columns, the sampler's generator
+    registered with the graph). For a batch that fills its graph's bucket, sampled tokens equal single steps'
+    (the same noise); a padded batch (3 in a bucket of 4) draws other noise, so there only greedy rows must agree.
+    Launching a burst never waits for the device."""
+    prompts, greedy = PROMPTS[:num_prompts], SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
+    params = [SAMPLED, greedy.with_overrides(repetition_penalty=1.2), SAMPLED][:num_prompts]
+    family, info = detect_family(tiny_qwen2)
+    runs, waits = {}, []
+    for burst in (1, 4):
+        stage = {"max_model_len": 128, "overlap_sampled": True, "decode_burst": burst}
+        engine = build_ar_engine(family.pipeline(info, load_deploy_config({"stages": {"lm": stage}})), "lm")
+        launch = engine.runner.launch_burst
+
+        def checked(*args, launch=launch, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch(*args, **kwargs)
+            except RuntimeError as exc:
+                waits.append(str(exc))
+                raise
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        engine.runner.launch_burst = checked
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                engine.add_request(StageInput(str(i), prompt, params=p))
+            tokens = {str(i): [] for i in range(num_prompts)}
+            while engine.has_work():
+                for out in engine.step():
+                    tokens[out.request_id] += out.token_ids
+            runs[burst] = (tokens, engine.stats()["num_burst_steps"], bool(engine.runner.burst_graphs))
+        finally:
+            engine.shutdown()
+    (single, _, _), (burst, burst_steps, captured) = runs[1], runs[4]
+    assert captured and burst_steps >= 8 and not waits
+    assert burst["1"] == single["1"]
+    if num_prompts == 2:
+        assert burst == single
+    assert not {5, 6, 7} & {t for ids in burst.values() for t in ids}

@@ -23,12 +23,13 @@ def test_defaults_stream_speech_from_stages_sharing_one_device(tiny_qwen2_5_omni
     assert shares == {"thinker": 0.55, "talker": 0.25}
     assert deploy.stage("talker").default_sampling_params["top_k"] == 40
     assert deploy.stage("talker").overlap_sampled and not deploy.stage("thinker").overlap_sampled
+    assert deploy.stage("talker").decode_burst == 8 and deploy.stage("thinker").decode_burst == 1
 
     shipped = yaml.safe_load((Path(__file__).parents[3] / "configs" / "qwen2_5_omni" / "1gpu.yaml").read_text())
     assert shipped["worker_backend"] == deploy.worker_backend and shipped["async_chunk"] == deploy.async_chunk
     assert {k: shipped["stages"]["token2wav"]["options"][k] for k in ("window", "max_window")} == {
         "window": 48, "max_window": 96}
-    assert shipped["stages"]["talker"]["overlap_sampled"]
+    assert shipped["stages"]["talker"]["overlap_sampled"] and shipped["stages"]["talker"]["decode_burst"] == 8
 
 
 def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) -> None:

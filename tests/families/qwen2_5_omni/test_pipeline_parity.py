@@ -78,16 +78,19 @@ def reference(tiny_qwen2_5_omni: str):
     return thinker_tokens, wav
 
 
-@pytest.mark.parametrize("async_chunk", [False, True], ids=["handoff-at-end", "streamed-handoff"])
-def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference, async_chunk: bool) -> None:
-    """Streamed, the talker starts while the thinker still writes and waits for each reply row."""
+@pytest.mark.parametrize("async_chunk, burst", [(False, 1), (True, 1), (True, 8)],
+                         ids=["handoff-at-end", "streamed-handoff", "streamed-handoff-bursts"])
+def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference, async_chunk: bool, burst: int) -> None:
+    """Streamed, the talker starts while the thinker still writes and waits for each reply row; with decode
+    bursts (the default) it draws several codes per launch once the reply is over."""
     thinker_tokens, wav = reference
     params = {
         "thinker": SamplingParams(max_tokens=THINKER_TOKENS, temperature=0, ignore_eos=True),
         "talker": SamplingParams(max_tokens=TALKER_CODES, temperature=0, repetition_penalty=1.05, ignore_eos=True),
     }
     deploy = {"async_chunk": async_chunk,
-              "stages": {"*": {"max_model_len": 512, **FP32}, "talker": {"overlap_sampled": True}}}
+              "stages": {"*": {"max_model_len": 512, **FP32}, "talker": {"overlap_sampled": True,
+                                                                         "decode_burst": burst}}}
     with Omni(tiny_qwen2_5_omni, deploy) as omni:
         (spoken,) = omni.generate([MESSAGES], params, ("text", "audio"), voice=VOICE)
         (text_only,) = omni.generate([MESSAGES], params["thinker"])
@@ -101,7 +104,10 @@ def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference, a
     assert stats["talker"]["kv_blocks_used"] == 0 and stats["talker"]["num_running"] == 0
     # the talker's (penalised) decode steps ran in flight: penalties from the device-side history, thinker rows
     # added on the device
-    assert stats["talker"]["num_overlapped_steps"] > TALKER_CODES // 2
+    if burst == 1:
+        assert stats["talker"]["num_overlapped_steps"] > TALKER_CODES // 2
+    else:
+        assert stats["talker"]["num_burst_steps"] >= TALKER_CODES // 2
     assert stats["thinker"]["num_overlapped_steps"] > 0  # its hidden states leave steps kept in flight too
 
 
