@@ -24,7 +24,9 @@ def run_engine(path: str, burst: int, params: list[SamplingParams], max_model_le
                ) -> tuple[dict[str, list[int]], dict[str, str | None], dict[str, int]]:
     """Every prompt added at once, stepped to the end (so both runs batch identically): tokens, finish reasons."""
     family, info = detect_family(path)
-    stage = {"max_model_len": max_model_len, "overlap_sampled": True, "decode_burst": burst, "dtype": "float32"}
+    # eager: bursts with the engine's own columns (on a GPU too; the captured graphs have their own test below)
+    stage = {"max_model_len": max_model_len, "overlap_sampled": True, "decode_burst": burst, "dtype": "float32",
+             "enforce_eager": True}
     engine = build_ar_engine(family.pipeline(info, load_deploy_config({"stages": {"lm": stage}})), "lm")
     try:
         for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):

@@ -428,6 +428,7 @@ class ModelRunner:
         self._host_tables[:, : self._pad_columns] = self.pad_block
         self._dev_tables.copy_(self._host_tables)
         capture_stream = own_capture_stream(self.device)
+        rng_state = generator.get_state() if generator is not None else None  # warm-ups and captures draw
         for size in reversed(sizes):
             def burst(size: int = size) -> None:
                 ids, rope, pos = self._burst_inputs[:, :size]
@@ -452,6 +453,8 @@ class ModelRunner:
             self._graph_pool = graph.pool()
             self.burst_graphs[size] = graph
         torch.cuda.synchronize(self.device)
+        if rng_state is not None:  # serving draws the same noise with or without burst graphs
+            generator.set_state(rng_state)
         logger.info("captured %d %d-step decode burst graphs in %.1fs", len(sizes), steps,
                     time.perf_counter() - started)
 
