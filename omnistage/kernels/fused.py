@@ -1,4 +1,5 @@
-"""Fused elementwise ops for the decode hot path: residual-add + RMSNorm, rotary embedding, SiLU-mul; and
+"""Fused elementwise ops for the decode hot path: residual-add + RMSNorm, rotary embedding (alone, or with
+the KV-cache write of the rotated keys and the values), SiLU-mul; and
 for the DiT: gated residual + LayerNorm + modulation, linear + tanh GELU.
 
 Unfused, each is a handful of tiny kernels per layer; at batch 1 those launches cost as much as a
@@ -68,28 +69,58 @@ def add_rmsnorm(
 if triton is not None:
 
     @triton.jit
-    def _rotate_heads(X, tok, stride_t, stride_h, n_heads, cos1, cos2, sin1, sin2,
+    def _rotate_heads(X, Y, stride_xh, stride_yh, n_heads, cos1, cos2, sin1, sin2,
                       HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Rotate one token's heads read at X into Y (Y may be X): rounded to X's dtype as the unfused ops
+        round, then to Y's."""
         d = tl.arange(0, HALF)
         heads = tl.arange(0, BLOCK_H)
         ok = (heads < n_heads)[:, None]
-        base = X + tok * stride_t + heads[:, None] * stride_h + d[None, :]
-        x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
-        tl.store(base, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(X.dtype.element_ty), mask=ok)
-        tl.store(base + HALF, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(X.dtype.element_ty), mask=ok)
+        src = X + heads[:, None] * stride_xh + d[None, :]
+        dst = Y + heads[:, None] * stride_yh + d[None, :]
+        x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+        y1 = (x1 * cos1[None, :] - x2 * sin1[None, :]).to(X.dtype.element_ty)
+        y2 = (x2 * cos2[None, :] + x1 * sin2[None, :]).to(X.dtype.element_ty)
+        tl.store(dst, y1.to(Y.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, y2.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rotary_kernel(Q, K, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                       n_q_heads, n_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-        tok = tl.program_id(0).to(tl.int64)
+    def _load_cos_sin(COS, SIN, tok, stride_c, HALF: tl.constexpr):
         d = tl.arange(0, HALF)
         cos1 = tl.load(COS + tok * stride_c + d).to(tl.float32)
         cos2 = tl.load(COS + tok * stride_c + HALF + d).to(tl.float32)
         sin1 = tl.load(SIN + tok * stride_c + d).to(tl.float32)
         sin2 = tl.load(SIN + tok * stride_c + HALF + d).to(tl.float32)
-        _rotate_heads(Q, tok, stride_qt, stride_qh, n_q_heads, cos1, cos2, sin1, sin2, HALF, BLOCK_H)
-        _rotate_heads(K, tok, stride_kt, stride_kh, n_k_heads, cos1, cos2, sin1, sin2, HALF, BLOCK_H)
+        return cos1, cos2, sin1, sin2
+
+    @triton.jit
+    def _rotary_kernel(Q, K, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+                       n_q_heads, n_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        cos1, cos2, sin1, sin2 = _load_cos_sin(COS, SIN, tok, stride_c, HALF)
+        q, k = Q + tok * stride_qt, K + tok * stride_kt
+        _rotate_heads(q, q, stride_qh, stride_qh, n_q_heads, cos1, cos2, sin1, sin2, HALF, BLOCK_H)
+        _rotate_heads(k, k, stride_kh, stride_kh, n_k_heads, cos1, cos2, sin1, sin2, HALF, BLOCK_H)
+
+    @triton.jit
+    def _rotary_kv_write_kernel(Q, K, V, KC, VC, COS, SIN, SLOTS,
+                                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                                stride_ct, stride_ch, stride_c, n_q_heads, n_k_heads,
+                                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One token: q rotated in place; rotated k and plain v stored at its cache slot."""
+        tok = tl.program_id(0).to(tl.int64)
+        cos1, cos2, sin1, sin2 = _load_cos_sin(COS, SIN, tok, stride_c, HALF)
+        q = Q + tok * stride_qt
+        _rotate_heads(q, q, stride_qh, stride_qh, n_q_heads, cos1, cos2, sin1, sin2, HALF, BLOCK_H)
+        slot = tl.load(SLOTS + tok).to(tl.int64) * stride_ct
+        _rotate_heads(K + tok * stride_kt, KC + slot, stride_kh, stride_ch, n_k_heads,
+                      cos1, cos2, sin1, sin2, HALF, BLOCK_H)
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, 2 * HALF)[None, :]
+        ok = heads < n_k_heads
+        v = tl.load(V + tok * stride_vt + heads * stride_vh + d, mask=ok, other=0.0)
+        tl.store(VC + slot + heads * stride_ch + d, v.to(VC.dtype.element_ty), mask=ok)
 
 
 def apply_rotary(
@@ -109,6 +140,28 @@ def apply_rotary(
         q.shape[1], k.shape[1], HALF=half, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
     )
     return q, k
+
+
+def rotary_kv_write(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """apply_rotary, then store k and v at each token's cache slot (as paged_attention would): on CUDA one
+    kernel instead of three, and the rotated k goes straight to the cache (k itself is left unrotated).
+    q, k, v [T, heads, D] (last dimension contiguous; strided views are fine), cos/sin [T, D],
+    k_cache/v_cache [slots, KVH, D], slot_mapping [T]. Returns q, rotated (in place on CUDA)."""
+    if not _use_triton(q):
+        q, k = apply_rotary(q, k, cos, sin)
+        k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return q
+    _rotary_kv_write_kernel[(q.shape[0],)](
+        q, k, v, k_cache, v_cache, cos, sin, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), cos.stride(0), q.shape[1], k.shape[1],
+        HALF=q.shape[-1] // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+    )
+    return q
 
 
 # ---- SiLU(gate) * up --------------------------------------------------------------------------

@@ -44,6 +44,38 @@ def test_rotary_and_silu_mul(force_triton) -> None:
     torch.testing.assert_close(fused.silu_mul(gu), torch.nn.functional.silu(gu[:, :1500]) * gu[:, 1500:])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_rotary_kv_write(monkeypatch, use_triton: bool, cache_dtype: torch.dtype) -> None:
+    """Equals apply_rotary + paged_attention's two index_copy_ writes, on q/k/v as strided views of one qkv
+    output (as the fused decoder passes them), with the cast to a cache dtype other than k's."""
+    monkeypatch.setattr(fused, "_use_triton", lambda x: use_triton)
+    tokens, heads, kv_heads, dim, slots = 5, 4, 2, 16, 24
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE)
+    q, k, v = (x.view(tokens, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    angles = torch.randn(tokens, dim // 2, device=DEVICE)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    slot_mapping = torch.randperm(slots, device=DEVICE)[:tokens]
+    # caches padded past head_dim: their head stride differs from k's, so each tensor's own strides must be used
+    k_cache, v_cache = (torch.randn(slots, kv_heads, dim + 8, device=DEVICE).to(cache_dtype)[..., :dim]
+                        for _ in range(2))
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((-x2, x1), -1)
+
+    expected_q = q * cos[:, None] + rotate(q) * sin[:, None]
+    expected_k.index_copy_(0, slot_mapping, (k * cos[:, None] + rotate(k) * sin[:, None]).to(cache_dtype))
+    expected_v.index_copy_(0, slot_mapping, v.to(cache_dtype))
+    got_q = fused.rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    torch.testing.assert_close(got_q, expected_q, rtol=1e-5, atol=1e-5)
+    if use_triton:
+        assert got_q.data_ptr() == qkv.data_ptr()  # rotated in place
+    torch.testing.assert_close(k_cache, expected_k, rtol=1e-5, atol=1e-5)  # other slots untouched too
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("with_update", [True, False])
 def test_residual_norm_modulate(force_triton, with_update: bool) -> None:
     h, update = torch.randn(6, 40, device=DEVICE), torch.randn(6, 40, device=DEVICE)

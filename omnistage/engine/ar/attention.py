@@ -1,10 +1,11 @@
 """Paged attention over token-packed batches.
 
 A step's tokens from every sequence are packed into one row. Each layer writes the new tokens'
-K/V into cache slots, then attends over each sequence's whole context read back from its blocks.
-Two backends share one cache layout: on CUDA a Triton kernel walks each sequence's block table
-(triton_attention.py); elsewhere torch SDPA runs over the gathered contexts with a block-diagonal
-causal mask, one call per layer for the whole batch.
+K/V into cache slots (or its caller already has, fused with rotary: kernels/fused.py), then attends
+over each sequence's whole context read back from its blocks. Two backends share one cache layout:
+on CUDA a Triton kernel walks each sequence's block table (triton_attention.py; small decode
+batches split each context's keys over several programs); elsewhere torch SDPA runs over the
+gathered contexts with a block-diagonal causal mask, one call per layer for the whole batch.
 """
 
 from __future__ import annotations
@@ -82,11 +83,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float | None = None,
     sliding_window: int | None = None,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Store this step's K/V, then attend over the cached contexts. Returns [T, H, D]."""
+    """Store this step's K/V (unless the caller already has: `kv_written`, e.g. fused with rotary, in
+    which case key/value are not read), then attend over the cached contexts. Returns [T, H, D]."""
     k_cache, v_cache = meta.kv_cache.layer(layer_idx)
-    k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+    if not kv_written:
+        k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
     scale = scale if scale is not None else query.shape[-1] ** -0.5
     if meta.block_tables is not None:
         return paged_attention_triton(

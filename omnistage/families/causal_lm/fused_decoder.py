@@ -2,10 +2,11 @@
 
 The profile of a batch-1 decode step on an H200 showed a fifth of the GPU time in tiny elementwise
 kernels between the GEMMs. This forward keeps the weights where transformers put them but runs
-each layer as: add+RMSNorm, one QKV GEMM, rotary, paged attention, O GEMM, add+RMSNorm, one
-gate-up GEMM, SiLU-mul, down GEMM. Q/K/V (and gate/up) weights are concatenated once at load and
-the original parameters become views of the fused ones, so no memory is added and the HF modules
-still work (the unfused path is used when intermediate hidden states are requested).
+each layer as: add+RMSNorm, one QKV GEMM, rotary fused with the KV-cache write, paged attention,
+O GEMM, add+RMSNorm, one gate-up GEMM, SiLU-mul, down GEMM. Q/K/V (and gate/up) weights are
+concatenated once at load and the original parameters become views of the fused ones, so no memory
+is added and the HF modules still work (the unfused path is used when intermediate hidden states
+are requested).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from omnistage.engine.ar.attention import AttentionMetadata, paged_attention
 from omnistage.families.hf import hf_position_ids
-from omnistage.kernels.fused import add_rmsnorm, apply_rotary, silu_mul
+from omnistage.kernels.fused import add_rmsnorm, rotary_kv_write, silu_mul
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -91,8 +92,10 @@ class FusedDecoder:
             if p["q_norm"] is not None:
                 q = self._norm(q.reshape(-1, d), None, p["q_norm"])[0].view(num_tokens, -1, d)
                 k = self._norm(k.reshape(-1, d), None, p["k_norm"])[0].view(num_tokens, -1, d)
-            q, k = apply_rotary(q, k, cos, sin)  # in place on CUDA (strided views of qkv are fine)
-            o = paged_attention(p["layer_idx"], q, k, v, attn, p["scaling"], p["sliding_window"])
+            k_cache, v_cache = attn.kv_cache.layer(p["layer_idx"])
+            # q rotated in place on CUDA (strided views of qkv are fine); rotated k and v go straight to the cache
+            q = rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, attn.slot_mapping)
+            o = paged_attention(p["layer_idx"], q, k, v, attn, p["scaling"], p["sliding_window"], kv_written=True)
             hidden = torch.nn.functional.linear(o.reshape(num_tokens, -1), p["o_w"], p["o_b"])
             x, residual = self._norm(hidden, residual, p["post_norm"])
             hidden = torch.nn.functional.linear(silu_mul(torch.nn.functional.linear(x, p["gate_up_w"])), p["down_w"])
