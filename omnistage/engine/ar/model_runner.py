@@ -130,7 +130,7 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(self.model.kv_spec, num_blocks + 1, self.block_size, self.device)
         self.pad_slot = num_blocks * self.block_size
         if self.device.type == "cuda":  # two of each host buffer: one step may be in flight
-            self._host_tokens = [torch.zeros(self.burst_steps, self.max_num_seqs, dtype=torch.long).pin_memory()
+            self._host_tokens = [torch.zeros(self.burst_steps * self.max_num_seqs, dtype=torch.long).pin_memory()
                                  for _ in range(2)]
         if self.use_graphs:
             self._capture_graphs(num_blocks)
@@ -304,7 +304,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._token_slot ^= 1
             rows = launch.tokens[None] if launch.all_tokens is None else launch.all_tokens
-            launch.host_tokens = self._host_tokens[self._token_slot][: rows.shape[0], : rows.shape[1]]
+            launch.host_tokens = self._host_tokens[self._token_slot][: rows.numel()].view(rows.shape)  # contiguous
             launch.host_tokens.copy_(rows, non_blocking=True)
             launch.done = torch.cuda.Event()
             launch.done.record()
