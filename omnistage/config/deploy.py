@@ -45,8 +45,8 @@ class StageConfig(_Strict):
     decode_burst: int = Field(
         1, ge=1, le=64, description="Decode steps per launch when every running sequence can take them (tokens "
         "drawn on the device, one CUDA graph replay per burst; needs overlap_decode, and overlap_sampled for "
-        "sampled requests). For small models whose step is shorter than the host's work for it: on for the "
-        "Qwen2.5-Omni talker")
+        "sampled requests). Frees the host (and the interpreter other stages' threads share) from per-token work: "
+        "on for the Qwen2.5-Omni talker (32 requests on an H200: first audio 1.33 -> 0.73 s, RTF 0.486 -> 0.470)")
     enforce_eager: bool = False
     stream_priority: Literal["high", "normal"] | None = Field(
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
