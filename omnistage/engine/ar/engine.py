@@ -94,8 +94,9 @@ class AREngine:
         self._arrivals = 0
         self._static_draw: StaticDraw | None = None
         if self.runner.graphs and self.runner.burst_steps > 1:
-            self.history = TokenHistory(config.max_num_seqs + 1, model.vocab_size, model.device)
-            self._static_draw = StaticDraw(self.sampler, self.history, config.max_num_seqs, model.vocab_size,
+            vocab = self.runner.graphs[min(self.runner.graphs)][1].shape[-1]  # the logits' width
+            self.history = TokenHistory(config.max_num_seqs + 1, vocab, model.device)
+            self._static_draw = StaticDraw(self.sampler, self.history, config.max_num_seqs, vocab,
                                            pad_slot=config.max_num_seqs)
             self.runner.capture_bursts(self._static_draw, self.sampler.device_generator(model.device))
 
@@ -324,13 +325,23 @@ class AREngine:
 
     def _launch_burst(self, seqs: list[Sequence], previous: DecodeLaunch | None, steps: int,
                       pending: dict[int, int]) -> DecodeLaunch:
-        cols, slots = self._batch_columns(seqs, self.runner.model.vocab_size, self.device, pending)
-        if self._static_draw is not None and steps == self.runner.burst_steps and self.runner.has_burst_graph(
-                len(seqs)):
-            self._static_draw.load(cols, slots if cols.needs_history else None, len(seqs))
-        launch = self.runner.launch_burst(seqs, steps, lambda logits: self._draw_with(cols, slots, logits), previous)
+        """A captured burst draws with the static columns, loaded here; an eager one with the batch's own
+        columns, built on its first logits (their width is the vocabulary)."""
+        batch: list[tuple[SamplingColumns, torch.Tensor]] = []
+
+        def draw(logits: torch.Tensor) -> torch.Tensor:
+            if not batch:
+                batch.append(self._batch_columns(seqs, logits.shape[-1], logits.device, pending))
+            return self._draw_with(*batch[0], logits)
+
+        static = self._static_draw
+        if static is not None and steps == self.runner.burst_steps and self.runner.has_burst_graph(len(seqs)):
+            batch.append(self._batch_columns(seqs, static.vocab, self.device, pending))
+            cols, slots = batch[0]
+            static.load(cols, slots if cols.needs_history else None, len(seqs))
+        launch = self.runner.launch_burst(seqs, steps, draw, previous)
         self.num_burst_steps += steps
-        if cols.needs_history:
+        if batch[0][0].needs_history:
             for seq in seqs:
                 seq.history_len += steps
         return launch
