@@ -133,3 +133,28 @@ def test_burst_graphs_draw_what_single_steps_draw(tiny_qwen2: str, num_prompts: 
     if num_prompts == 2:
         assert burst == single
     assert not {5, 6, 7} & {t for ids in burst.values() for t in ids}
+
+
+def test_an_abort_during_a_burst_frees_it_and_spares_the_others(tiny_qwen2: str) -> None:
+    """A request aborted while its burst is in flight (a client disconnect) returns nothing more and frees its
+    blocks and history slot; the others decode exactly what they decode alone in single steps."""
+    family, info = detect_family(tiny_qwen2)
+    expected, _, _ = run_engine(tiny_qwen2, 1, [SAMPLED.with_overrides(temperature=0.0)] * 3)
+    stage = {"max_model_len": 128, "overlap_sampled": True, "decode_burst": 4, "dtype": "float32",
+             "enforce_eager": True}
+    engine = build_ar_engine(family.pipeline(info, load_deploy_config({"stages": {"lm": stage}})), "lm")
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(StageInput(str(i), prompt, params=SAMPLED.with_overrides(temperature=0.0)))
+        tokens = {str(i): [] for i in range(len(PROMPTS))}
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+            if engine.in_flight is not None and engine.in_flight.steps > 1 and "1" in engine.seqs:
+                engine.abort("1")  # its burst is in flight
+                aborted_at = len(tokens["1"])
+        assert tokens["0"] == expected["0"] and tokens["2"] == expected["2"]
+        assert 0 < aborted_at == len(tokens["1"]) < 11 and tokens["1"] == expected["1"][:aborted_at]
+        assert engine.stats()["kv_blocks_used"] == 0 and sorted(engine._free_history_slots) == list(range(64))
+    finally:
+        engine.shutdown()
