@@ -327,21 +327,21 @@ class AREngine:
                       pending: dict[int, int]) -> DecodeLaunch:
         """A captured burst draws with the static columns, loaded here; an eager one with the batch's own
         columns, built on its first logits (their width is the vocabulary)."""
-        batch: list[tuple[SamplingColumns, torch.Tensor]] = []
+        columns: list[tuple[SamplingColumns, torch.Tensor]] = []  # (columns, history slots)
 
         def draw(logits: torch.Tensor) -> torch.Tensor:
-            if not batch:
-                batch.append(self._batch_columns(seqs, logits.shape[-1], logits.device, pending))
-            return self._draw_with(*batch[0], logits)
+            if not columns:
+                columns.append(self._batch_columns(seqs, logits.shape[-1], logits.device, pending))
+            return self._draw_with(*columns[0], logits)
 
         static = self._static_draw
         if static is not None and steps == self.runner.burst_steps and self.runner.has_burst_graph(len(seqs)):
-            batch.append(self._batch_columns(seqs, static.vocab, self.device, pending))
-            cols, slots = batch[0]
+            columns.append(self._batch_columns(seqs, static.vocab, self.device, pending))
+            cols, slots = columns[0]
             static.load(cols, slots if cols.needs_history else None, len(seqs))
         launch = self.runner.launch_burst(seqs, steps, draw, previous)
         self.num_burst_steps += steps
-        if batch[0][0].needs_history:
+        if columns[0][0].needs_history:
             for seq in seqs:
                 seq.history_len += steps
         return launch
