@@ -14,6 +14,7 @@ from omnistage.engine.types import StageInput
 from omnistage.families.causal_lm import build_ar_engine
 from omnistage.families.registry import detect_family
 from omnistage.sampling_params import SamplingParams
+from omnistage.testing.sync import recording_device_waits
 
 PROMPTS = [[5, 77, 123, 9, 300], [8, 19, 250], [3, 66, 7, 9, 10, 11, 12]]
 SAMPLED = SamplingParams(max_tokens=11, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.3,
@@ -104,19 +105,7 @@ def test_burst_graphs_draw_what_single_steps_draw(tiny_qwen2: str, num_prompts: 
     for burst in (1, 4):
         stage = {"max_model_len": 128, "overlap_sampled": True, "decode_burst": burst}
         engine = build_ar_engine(family.pipeline(info, load_deploy_config({"stages": {"lm": stage}})), "lm")
-        launch = engine.runner.launch_burst
-
-        def checked(*args, launch=launch, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return launch(*args, **kwargs)
-            except RuntimeError as exc:
-                waits.append(str(exc))
-                raise
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-
-        engine.runner.launch_burst = checked
+        engine.runner.launch_burst = recording_device_waits(engine.runner.launch_burst, waits)
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 engine.add_request(StageInput(str(i), prompt, params=p))

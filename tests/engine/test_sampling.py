@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omnistage import Omni, SamplingParams
 from omnistage.engine.ar.sampler import Sampler, SampleRow, apply_penalties
+from omnistage.testing.sync import recording_device_waits
 
 PROMPTS = ["Once upon a time", "The weather today", "Numbers: 1, 2, 3", "Why"]
 
@@ -172,20 +173,8 @@ def test_launching_a_sampled_step_never_waits_for_the_device(tiny_qwen2: str) ->
                                       return_hidden_states=i == 0))  # a talker's feed: hidden rows too
     engine.step()  # prefill: sampled on the host
     engine.step()  # the first step in flight (loads the history)
-    launch = engine.runner.launch_decode
     waits: list[str] = []
-
-    def checked(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(*args, **kwargs)
-        except RuntimeError as exc:
-            waits.append(str(exc))
-            raise
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    engine.runner.launch_decode = checked
+    engine.runner.launch_decode = recording_device_waits(engine.runner.launch_decode, waits)
     try:
         while engine.has_work():
             engine.step()

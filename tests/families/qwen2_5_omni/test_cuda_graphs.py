@@ -20,6 +20,7 @@ import torch
 
 from omnistage import Omni, SamplingParams
 from omnistage.engine.types import StageInput
+from omnistage.testing.sync import device_waits_raise
 
 pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchvision (installed by scripts/test)")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -161,22 +162,16 @@ def test_first_inputs_are_prepared_without_waiting_for_the_device(tiny_qwen2_5_o
                           output_modalities=("text", "audio"))
     inp = pipeline.preprocess(request)
     try:
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with device_waits_raise():
             prepared = thinker.runner.model.prepare_input(inp, first=True)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         thinker.add_request(prepared)  # the engine's own step may sync (sampling); the hand-off input is real
         talker_inp = None
         while talker_inp is None:  # the talker opens once the first reply token's states exist
             for out in thinker.step():
                 talker_inp = thinker_to_talker(pipeline, request, out) or talker_inp
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with device_waits_raise():
             talker.runner.model.prepare_input(talker_inp, first=True)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     finally:
         thinker.shutdown()
         talker.shutdown()
