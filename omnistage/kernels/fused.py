@@ -24,42 +24,64 @@ def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
+def sum_partials(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A linear's result from either form: [M, N] as is, or partials [splits, M, N] summed in order."""
+    if y.dim() == 2:
+        return y
+    total = y[0].clone()
+    for part in y[1:]:
+        total += part
+    return total.to(dtype)
+
+
 # ---- residual add + RMSNorm -------------------------------------------------------------------
 
 if triton is not None:
 
     @triton.jit
-    def _add_rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, n_cols, eps,
-                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_xp, stride_x, stride_r, stride_y, n_cols, eps,
+                            HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr, PARTS: tl.constexpr,
+                            BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
         x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+        if PARTS > 1:  # a linear's fp32 partial sums over slices of K: summed in order, rounded once
+            for p in tl.static_range(1, PARTS):
+                x += tl.load(X + p * stride_xp + row * stride_x + cols, mask=ok, other=0.0)
+            x = x.to(Y.dtype.element_ty)
         if HAS_RESIDUAL:
-            x = (x + tl.load(R + row * stride_r + cols, mask=ok, other=0.0)).to(X.dtype.element_ty)
-            tl.store(RES_OUT + row * stride_r + cols, x, mask=ok)
+            x = (x + tl.load(R + row * stride_r + cols, mask=ok, other=0.0)).to(Y.dtype.element_ty)
+        if STORE_SUM:
+            tl.store(RES_OUT + row * stride_y + cols, x, mask=ok)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
         w = tl.load(W + cols, mask=ok, other=0.0)
-        tl.store(Y + row * stride_y + cols, w * (xf * rstd).to(X.dtype.element_ty), mask=ok)
+        tl.store(Y + row * stride_y + cols, w * (xf * rstd).to(Y.dtype.element_ty), mask=ok)
 
 
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rmsnorm(x + residual) * weight, x + residual); with no residual, x is the residual.
-    Works on the last dimension of a 2-D tensor."""
+    Works on the last dimension of a 2-D tensor. x may also be a linear's fp32 partial sums [splits, T, H]
+    (`skinny_gemm.linear(partial=True)`); they are summed and rounded to the residual's (or weight's) dtype."""
+    dtype = residual.dtype if residual is not None else weight.dtype
     if not _use_triton(x):
+        x = sum_partials(x, dtype)
         summed = x if residual is None else x + residual
         normed = summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + eps)
         return weight * normed.to(x.dtype), summed
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
-    n_cols = x.shape[-1]
-    _add_rmsnorm_kernel[(x.shape[0],)](
+    parts = x.shape[0] if x.dim() == 3 else 1
+    rows, n_cols = x.shape[-2], x.shape[-1]
+    out = torch.empty(rows, n_cols, dtype=dtype if parts > 1 else x.dtype, device=x.device)
+    store_sum = residual is not None or parts > 1
+    res_out = torch.empty_like(out) if store_sum else x
+    _add_rmsnorm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, res_out,
-        x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), num_warps=8 if n_cols > 2048 else 4,
+        x.stride(0) if parts > 1 else 0, x.stride(-2), residual.stride(0) if residual is not None else 0,
+        out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, STORE_SUM=store_sum, PARTS=parts,
+        BLOCK=triton.next_power_of_2(n_cols), num_warps=8 if n_cols > 2048 else 4,
     )
     return out, res_out
 

@@ -3,7 +3,9 @@
 The profile of a batch-1 decode step on an H200 showed a fifth of the GPU time in tiny elementwise
 kernels between the GEMMs. This forward keeps the weights where transformers put them but runs
 each layer as: add+RMSNorm, one QKV GEMM, rotary fused with the KV-cache write, paged attention,
-O GEMM, add+RMSNorm, one gate-up GEMM, SiLU-mul, down GEMM. Q/K/V (and gate/up) weights are
+O GEMM, add+RMSNorm, one gate-up GEMM, SiLU-mul, down GEMM. Decode batches of ≤ 16 rows on CUDA take
+`skinny_gemm`'s kernels instead of cuBLAS: SiLU-mul inside the gate-up kernel, and O and down leave
+split-K partial sums that the following add+RMSNorm reduces. Q/K/V (and gate/up) weights are
 concatenated once at load and the original parameters become views of the fused ones, so no memory
 is added and the HF modules still work (the unfused path is used when intermediate hidden states
 are requested).
@@ -16,7 +18,8 @@ from torch import nn
 
 from omnistage.engine.ar.attention import AttentionMetadata, paged_attention
 from omnistage.families.hf import hf_position_ids
-from omnistage.kernels.fused import add_rmsnorm, rotary_kv_write, silu_mul
+from omnistage.kernels import skinny_gemm
+from omnistage.kernels.fused import add_rmsnorm, rotary_kv_write
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,7 +88,7 @@ class FusedDecoder:
         residual = None
         for p in self.layers:
             x, residual = self._norm(hidden, residual, p["in_norm"])
-            qkv = torch.nn.functional.linear(x, p["qkv_w"], p["qkv_b"])
+            qkv = skinny_gemm.linear(x, p["qkv_w"], p["qkv_b"])
             d = p["head_dim"]
             q, k, v = qkv.split([p["q_size"], p["kv_size"], p["kv_size"]], dim=-1)
             q, k, v = q.view(num_tokens, -1, d), k.view(num_tokens, -1, d), v.view(num_tokens, -1, d)
@@ -96,7 +99,8 @@ class FusedDecoder:
             # q rotated in place on CUDA (strided views of qkv are fine); rotated k and v go straight to the cache
             q = rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, attn.slot_mapping)
             o = paged_attention(p["layer_idx"], q, k, v, attn, p["scaling"], p["sliding_window"], kv_written=True)
-            hidden = torch.nn.functional.linear(o.reshape(num_tokens, -1), p["o_w"], p["o_b"])
+            # o and down may come back as split-K partial sums: the next add+RMSNorm sums them
+            hidden = skinny_gemm.linear(o.reshape(num_tokens, -1), p["o_w"], p["o_b"], partial=True)
             x, residual = self._norm(hidden, residual, p["post_norm"])
-            hidden = torch.nn.functional.linear(silu_mul(torch.nn.functional.linear(x, p["gate_up_w"])), p["down_w"])
+            hidden = skinny_gemm.linear(skinny_gemm.gate_up_silu(x, p["gate_up_w"]), p["down_w"], partial=True)
         return self._norm(hidden, residual, self.decoder.norm)[0]

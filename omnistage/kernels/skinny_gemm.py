@@ -1,0 +1,152 @@
+"""Linear layers for decode batches of a few rows (a "skinny" GEMM: M ≤ 16), on CUDA.
+
+At batch 1 a decode step only streams weights, so a linear layer should run at the memory's bandwidth.
+cuBLAS's kernels reached ~60% of it on the talker's shapes (H200 profile) and a layer's output then went
+through separate kernels (bias, SiLU-mul, split-K reduce). Here one Triton kernel reads a tile of weight
+rows against all (≤ 16, zero-padded) input rows with `tl.dot`, and either
+
+- finishes the rows: bias added, or SiLU(gate) * up for a fused gate-up weight (gate rows then up rows), or
+- leaves fp32 partial sums over a slice of K ("split-K"), [splits, M, N]: for tall weights (K ≫ N) too
+  few row tiles exist to fill the GPU, so K is cut instead and the consumer sums the slices in a fixed
+  order — `add_rmsnorm` takes such partials, so the reduction costs no kernel of its own.
+
+A row's result does not depend on how many other rows are in the batch (fixed tiles and order along K).
+Elsewhere (CPU, or more rows) the same math runs through torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from omnistage.kernels.fused import silu_mul
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is needed only on CUDA
+    triton = None
+
+MAX_ROWS = 16  # tl.dot's smallest M; larger decode batches go to cuBLAS
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, k_per_split,
+                            HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr,
+                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        pid_n, split = tl.program_id(0), tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        row_ok, m_ok = rows < N, m < M
+        w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
+        k_begin = split * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if GATE_UP:  # up's rows sit N rows below gate's
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_end
+            x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = row_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if GATE_UP:
+                w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_ok, other=0.0)
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+        out = Y + split * stride_ys + m[:, None] * stride_ym + rows[None, :]
+        ok = m_ok[:, None] & row_ok[None, :]
+        if PARTIAL:
+            tl.store(out, acc, mask=ok)
+        else:
+            dtype = Y.dtype.element_ty
+            if HAS_BIAS:
+                acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+            if GATE_UP:  # rounded where F.silu(gate(x)) * up(x) rounds
+                gate = acc.to(dtype).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+                tl.store(out, act * acc_up.to(dtype), mask=ok)
+            else:
+                tl.store(out, acc.to(dtype), mask=ok)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    block_n: int
+    block_k: int
+    splits: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # Triton's interpreter (tests on CPU): a small GPU, so tiny shapes still split K
+
+
+def choose_tiling(n: int, k: int, sms: int) -> Tiling:
+    """Enough programs for every SM to keep several weight tiles in flight: row tiles first, then split K
+    (in whole BLOCK_K steps) until there are ~4 programs per SM. From shapes and SM count only, so a
+    CUDA graph captured once stays valid."""
+    block_n, block_k = 32, 256
+    row_tiles = triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    splits = 1
+    while row_tiles * splits < 4 * sms and splits * 2 <= k_steps // 2:
+        splits *= 2
+    return Tiling(block_n, block_k, splits)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, gate_up: bool,
+            partial: bool, tiling: Tiling | None) -> torch.Tensor:
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        raise ValueError("skinny_gemm: the weight's rows must be contiguous")
+    t = tiling or choose_tiling(n, k, _sm_count(x.device))
+    splits = t.splits if partial else 1
+    k_per_split = triton.cdiv(triton.cdiv(k, t.block_k), splits) * t.block_k
+    splits = triton.cdiv(k, k_per_split)  # no empty slices
+    partial = splits > 1
+    if partial:
+        y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
+        m * n if partial else 0, n, k_per_split,
+        HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partial: bool = False,
+           tiling: Tiling | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K]. With `partial`, the result may come back as fp32 partial sums
+    [splits, M, N] to be summed (in order) by the consumer; `add_rmsnorm` accepts them."""
+    if not _use_triton(x):
+        return F.linear(x, weight, bias)
+    return _launch(x, weight, bias, weight.shape[0], False, partial and bias is None, tiling)
+
+
+def gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor, tiling: Tiling | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for a weight of gate rows stacked over up rows, [2I, K] -> [M, I]."""
+    n = gate_up_weight.shape[0] // 2
+    if not _use_triton(x):
+        return silu_mul(F.linear(x, gate_up_weight))
+    return _launch(x, gate_up_weight, None, n, True, False, tiling)

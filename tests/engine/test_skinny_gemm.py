@@ -1,0 +1,85 @@
+"""The skinny-GEMM kernels equal torch's linear layers (on CPU through Triton's interpreter), and a decoder
+run through them decodes the same tokens as transformers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import omnistage.kernels.fused as fused
+import omnistage.kernels.skinny_gemm as skinny
+
+pytest.importorskip("triton")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def force_triton(monkeypatch):
+    """The Triton path whatever the device (CPU: the interpreter); batches past MAX_ROWS still go to torch."""
+    monkeypatch.setattr(skinny, "_use_triton", lambda x: x.dim() == 2 and x.shape[0] <= skinny.MAX_ROWS)
+    monkeypatch.setattr(fused, "_use_triton", lambda x: True)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(force_triton, rows: int, with_bias: bool) -> None:
+    x, w = torch.randn(rows, 200, device=DEVICE), torch.randn(72, 200, device=DEVICE)  # ragged tiles both ways
+    b = torch.randn(72, device=DEVICE) if with_bias else None
+    got = skinny.linear(x, w, b, tiling=skinny.Tiling(block_n=32, block_k=64, splits=1))
+    assert got.shape == (rows, 72) and got.dtype == x.dtype
+    _close(got, F.linear(x, w, b))
+
+
+def test_split_k_partials_and_their_sum_in_add_rmsnorm(force_triton) -> None:
+    x, w = torch.randn(2, 300, device=DEVICE), torch.randn(40, 300, device=DEVICE)
+    parts = skinny.linear(x, w, partial=True, tiling=skinny.Tiling(block_n=16, block_k=32, splits=4))
+    assert parts.shape == (4, 2, 40) and parts.dtype == torch.float32  # K=300: 10 steps of 32, 3 per slice
+    _close(fused.sum_partials(parts, x.dtype), F.linear(x, w))
+    residual, norm_w = torch.randn(2, 40, device=DEVICE), torch.randn(40, device=DEVICE)
+    out, summed = fused.add_rmsnorm(parts, residual, norm_w, 1e-6)
+    want_out, want_summed = fused.add_rmsnorm(F.linear(x, w), residual, norm_w, 1e-6)
+    _close(summed, want_summed)
+    _close(out, want_out)
+    # no residual: the summed partials themselves are the residual
+    out, summed = fused.add_rmsnorm(parts, None, norm_w, 1e-6)
+    _close(summed, F.linear(x, w))
+    _close(out, fused.add_rmsnorm(F.linear(x, w), None, norm_w, 1e-6)[0])
+    # a bias cannot be split: the finished rows come back
+    assert skinny.linear(x, w, torch.randn(40, device=DEVICE), partial=True).dim() == 2
+
+
+def test_one_slice_is_not_partial(force_triton) -> None:
+    """Too short a K to split: the finished [M, N] result in x's dtype, which add_rmsnorm takes as well."""
+    x, w = torch.randn(2, 64, device=DEVICE), torch.randn(40, 64, device=DEVICE)
+    got = skinny.linear(x, w, partial=True, tiling=skinny.Tiling(block_n=16, block_k=64, splits=8))
+    assert got.shape == (2, 40) and got.dtype == x.dtype
+    _close(got, F.linear(x, w))
+
+
+def test_gate_up_silu(force_triton) -> None:
+    x, w = torch.randn(3, 96, device=DEVICE), torch.randn(2 * 50, 96, device=DEVICE)
+    got = skinny.gate_up_silu(x, w, tiling=skinny.Tiling(block_n=16, block_k=32, splits=1))
+    gate_up = F.linear(x, w)
+    _close(got, F.silu(gate_up[:, :50]) * gate_up[:, 50:])
+
+
+def test_a_row_does_not_depend_on_its_batch(force_triton) -> None:
+    """Fixed tiles and order along K: row 0 alone and row 0 among 11 others are the same bits."""
+    x, w = torch.randn(12, 256, device=DEVICE), torch.randn(64, 256, device=DEVICE)
+    tiling = skinny.Tiling(block_n=32, block_k=64, splits=2)
+    assert torch.equal(skinny.linear(x[:1], w, partial=True, tiling=tiling)[:, 0],
+                       skinny.linear(x, w, partial=True, tiling=tiling)[:, 0])
+
+
+def test_choose_tiling() -> None:
+    if skinny.triton is None:
+        pytest.skip("needs triton")
+    # a tall weight (the talker's down projection on an H200): few row tiles, so K is split
+    t = skinny.choose_tiling(896, 18944, sms=132)
+    assert t.splits > 1 and (896 // t.block_n) * t.splits >= 132
+    assert t.splits * t.block_k * 2 <= 18944  # every slice at least two steps
+    # a wide weight already has programs enough
+    assert skinny.choose_tiling(37888, 896, sms=132).splits == 1
