@@ -96,17 +96,19 @@ def _sm_count(device: torch.device) -> int:
     return 4  # Triton's interpreter (tests on CPU): a small GPU, so tiny shapes still split K
 
 
-def choose_tiling(n: int, k: int, sms: int) -> Tiling:
-    """Enough programs for every SM to keep several weight tiles in flight: row tiles first, then split K
-    (in whole BLOCK_K steps) until there are ~4 programs per SM. From shapes and SM count only, so a
-    CUDA graph captured once stays valid."""
-    block_n, block_k = 32, 256
-    row_tiles = triton.cdiv(n, block_n)
-    k_steps = triton.cdiv(k, block_k)
+def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: int = 2) -> Tiling:
+    """Tiles from a sweep on an H200 (benchmarks/skinny_gemm.py --sweep, bf16, one row): 32 weight rows per
+    program, 32 KB of weights per pipeline stage (16 KB per matrix for gate-up's two), and K split in powers
+    of two while the programs still fit one per SM with every slice at least two steps long. More programs
+    than SMs was slower on every shape: a program's four stages in flight is what keeps the memory busy.
+    From shapes and SM count only, so a CUDA graph captured once stays valid."""
+    block_n = 32
+    block_k = (128 if gate_up or k < 2048 else 512) * 2 // elem_bytes
+    row_tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     splits = 1
-    while row_tiles * splits < 4 * sms and splits * 2 <= k_steps // 2:
+    while row_tiles * splits * 2 <= sms and k_steps >= 4 * splits:
         splits *= 2
-    return Tiling(block_n, block_k, splits)
+    return Tiling(block_n, block_k, splits, num_warps=4, num_stages=3 if gate_up else 4)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, gate_up: bool,
@@ -116,7 +118,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         x = x.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("skinny_gemm: the weight's rows must be contiguous")
-    t = tiling or choose_tiling(n, k, _sm_count(x.device))
+    t = tiling or choose_tiling(n, k, _sm_count(x.device), gate_up, x.element_size())
     splits = t.splits if partial else 1
     k_per_split = triton.cdiv(triton.cdiv(k, t.block_k), splits) * t.block_k
     splits = triton.cdiv(k, k_per_split)  # no empty slices
