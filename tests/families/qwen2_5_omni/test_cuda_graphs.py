@@ -44,11 +44,14 @@ def test_ar_stage_graphs_keep_text_and_codes(tiny_qwen2_5_omni: str) -> None:
             results[eager] = [omni.generate([p], ps, ("text", "audio"), voice=v)[0]
                               for p, ps, v in zip(prompts, params, ["Chelsie", "Ethan"] * 2, strict=True)]
             results[eager] += omni.generate(prompts[:2], params[0], ("text", "audio"))  # batches of two
-    for eager_out, graph_out in zip(results[True], results[False], strict=True):
+    for i, (eager_out, graph_out) in enumerate(zip(results[True], results[False], strict=True)):
         assert eager_out.error is None and graph_out.error is None
         assert graph_out.token_ids == eager_out.token_ids
         assert graph_out.audio.shape == eager_out.audio.shape and eager_out.audio.size > 0
-        np.testing.assert_array_equal(graph_out.audio, eager_out.audio)
+        if i < len(prompts):  # alone, token2wav decodes every window at batch 1: the same bits
+            np.testing.assert_array_equal(graph_out.audio, eager_out.audio)
+        else:  # the pair's windows share token2wav batches as they happen to arrive; cuBLAS rounds by batch size
+            np.testing.assert_allclose(graph_out.audio, eager_out.audio, rtol=0, atol=1e-6)
 
 
 def test_token2wav_graph_replays_equal_eager_solves(tiny_qwen2_5_omni: str) -> None:
