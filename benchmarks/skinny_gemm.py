@@ -116,7 +116,7 @@ def main() -> None:
         size = n * k * 2
         copies = max(2, -(-200_000_000 // size))
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, CALLS))]
-        chosen = skinny.choose_tiling(n // 2 if op == "gate_up" else n, k, sms)
+        chosen = skinny.choose_tiling(n // 2 if op == "gate_up" else n, k, sms, gate_up=op == "gate_up")
         best = None
         if args.sweep:
             splits = (1, 2, 4, 8, 16, 32) if op in ("o", "down") else (1,)

@@ -103,7 +103,10 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
     than SMs was slower on every shape: a program's four stages in flight is what keeps the memory busy.
     From shapes and SM count only, so a CUDA graph captured once stays valid."""
     block_n = 32
-    block_k = (128 if gate_up or k < 2048 else 512) * 2 // elem_bytes
+    if not gate_up and sms < triton.cdiv(n, block_n) < 2 * sms:
+        block_n = 64  # one full wave rather than a second, nearly empty one (the thinker's qkv: 144 tiles)
+    stage_bytes = 8192 if gate_up or k < 2048 else 32768  # of each weight matrix read
+    block_k = stage_bytes // (block_n * elem_bytes)
     row_tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     splits = 1
     while row_tiles * splits * 2 <= sms and k_steps >= 4 * splits:
