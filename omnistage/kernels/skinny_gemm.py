@@ -22,7 +22,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from omnistage.kernels.fused import rotary_kv_write, silu_mul
+from omnistage.kernels.fused import silu_mul
 
 try:
     import triton
@@ -40,30 +40,6 @@ def _use_triton(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _dot_rows(X, W, rows, paired_offset, M, k_begin, k_end, stride_xm, stride_wn, row_ok,
-                  PAIRED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-        """x[:M, k_begin:k_end] against weight rows `rows` and, PAIRED, rows + paired_offset (gate with up,
-        a head's first half with its second): fp32 [BLOCK_M, BLOCK_N] each."""
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < M
-        w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
-        w_paired = W + (rows + paired_offset).to(tl.int64)[:, None] * stride_wn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_paired = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < k_end
-            x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w_ok = row_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-            if PAIRED:
-                w2 = tl.load(w_paired + ks[None, :], mask=w_ok, other=0.0)
-                acc_paired = tl.dot(x, tl.trans(w2), acc_paired, input_precision=PRECISION)
-        return acc, acc_paired
-
-    @triton.jit
     def _skinny_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, k_per_split,
                             HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -72,10 +48,22 @@ if triton is not None:
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         row_ok, m_ok = rows < N, m < M
+        w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
         k_begin = split * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
-        acc, acc_up = _dot_rows(X, W, rows, N, M, k_begin, k_end, stride_xm, stride_wn, row_ok,  # up: N rows down
-                                GATE_UP, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if GATE_UP:  # up's rows sit N rows below gate's
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_end
+            x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = row_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if GATE_UP:
+                w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_ok, other=0.0)
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
         out = Y + split * stride_ys + m[:, None] * stride_ym + rows[None, :]
         ok = m_ok[:, None] & row_ok[None, :]
         if PARTIAL:
@@ -90,51 +78,6 @@ if triton is not None:
                 tl.store(out, act * acc_up.to(dtype), mask=ok)
             else:
                 tl.store(out, acc.to(dtype), mask=ok)
-
-    @triton.jit
-    def _qkv_rotary_kernel(X, W, B, Q, KC, VC, COS, SIN, SLOTS, M, K, stride_xm, stride_wn, stride_qt, stride_qh,
-                           stride_ct, stride_ch, stride_c, n_q_heads, n_kv_heads,
-                           HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr,
-                           CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One program: CHUNK dims of one head's first half and the same dims of its second half, so the
-        rotation (rotate-half) happens on the accumulators. q heads go to Q, k (rotated) and v heads straight
-        to their cache slots; rounded as linear, then rotary, then the cache's dtype round."""
-        pid = tl.program_id(0)
-        head = pid // (HALF // CHUNK)
-        d = (pid % (HALF // CHUNK)) * CHUNK + tl.arange(0, CHUNK)  # dims within the first half
-        rows = head * 2 * HALF + d
-        x1, x2 = _dot_rows(X, W, rows, HALF, M, 0, K, stride_xm, stride_wn, d < HALF,
-                           True, PRECISION, BLOCK_M, CHUNK, BLOCK_K)
-        if HAS_BIAS:
-            x1 += tl.load(B + rows).to(tl.float32)[None, :]
-            x2 += tl.load(B + rows + HALF).to(tl.float32)[None, :]
-        dtype = Q.dtype.element_ty
-        x1, x2 = x1.to(dtype), x2.to(dtype)
-        m = tl.arange(0, BLOCK_M)
-        ok = (m < M)[:, None]
-        tok = m.to(tl.int64)[:, None]
-        slot = tl.load(SLOTS + m, mask=m < M, other=0).to(tl.int64)[:, None] * stride_ct
-        if head < n_q_heads + n_kv_heads:
-            cs = tok * stride_c + d[None, :]
-            cos1 = tl.load(COS + cs, mask=ok, other=0.0).to(tl.float32)
-            cos2 = tl.load(COS + cs + HALF, mask=ok, other=0.0).to(tl.float32)
-            sin1 = tl.load(SIN + cs, mask=ok, other=0.0).to(tl.float32)
-            sin2 = tl.load(SIN + cs + HALF, mask=ok, other=0.0).to(tl.float32)
-            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            y1 = (f1 * cos1 - f2 * sin1).to(dtype)
-            y2 = (f2 * cos2 + f1 * sin2).to(dtype)
-            if head < n_q_heads:
-                q = Q + tok * stride_qt + head * stride_qh + d[None, :]
-                tl.store(q, y1, mask=ok)
-                tl.store(q + HALF, y2, mask=ok)
-            else:
-                k = KC + slot + (head - n_q_heads) * stride_ch + d[None, :]
-                tl.store(k, y1.to(KC.dtype.element_ty), mask=ok)
-                tl.store(k + HALF, y2.to(KC.dtype.element_ty), mask=ok)
-        else:
-            v = VC + slot + (head - n_q_heads - n_kv_heads) * stride_ch + d[None, :]
-            tl.store(v, x1.to(VC.dtype.element_ty), mask=ok)
-            tl.store(v + HALF, x2.to(VC.dtype.element_ty), mask=ok)
 
 
 @dataclass(frozen=True)
@@ -212,35 +155,3 @@ def gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor, tiling: Tiling |
     if not _use_triton(x):
         return silu_mul(F.linear(x, gate_up_weight))
     return _launch(x, gate_up_weight, None, n, True, False, tiling)
-
-
-def qkv_rotary_kv_write(
-    x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, q_heads: int, kv_heads: int,
-    head_dim: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """The QKV projection (weight rows: q heads, k heads, v heads), rotary on q and k, and k and v stored at
-    each token's cache slot: returns q [T, q_heads, head_dim]. On CUDA for ≤ 16 tokens one kernel whose
-    epilogue rotates and stores (half-head chunks of ≥ 16 dims, so head_dim ≥ 32); otherwise the linear,
-    then `fused.rotary_kv_write`."""
-    half = head_dim // 2
-    if not _use_triton(x) or half < 16:
-        qkv = linear(x, qkv_weight, qkv_bias)
-        q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        t = x.shape[0]
-        return rotary_kv_write(q.view(t, q_heads, head_dim), k.view(t, kv_heads, head_dim),
-                               v.view(t, kv_heads, head_dim), cos, sin, k_cache, v_cache, slot_mapping)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    heads = q_heads + 2 * kv_heads
-    sms = _sm_count(x.device)
-    chunk = next((c for c in (16, 32, 64) if c <= half and heads * (half // c) <= sms), min(64, half))
-    q = torch.empty(x.shape[0], q_heads, head_dim, dtype=x.dtype, device=x.device)
-    _qkv_rotary_kernel[(heads * (half // chunk),)](
-        x, qkv_weight, qkv_bias if qkv_bias is not None else qkv_weight, q, k_cache, v_cache, cos, sin,
-        slot_mapping, x.shape[0], x.shape[1], x.stride(0), qkv_weight.stride(0), q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), cos.stride(0), q_heads, kv_heads,
-        HAS_BIAS=qkv_bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", HALF=half,
-        CHUNK=chunk, BLOCK_M=MAX_ROWS, BLOCK_K=16384 // (chunk * x.element_size()), num_warps=4, num_stages=4,
-    )
-    return q

@@ -84,32 +84,3 @@ def test_choose_tiling() -> None:
     assert skinny.choose_tiling(896, 896, sms=132) == skinny.Tiling(32, 128, 2, 4, 4)  # talker o: 7 steps of K
     # float32 (the GPU tests' tiny models): the same bytes per stage, so shared memory still suffices
     assert skinny.choose_tiling(896, 18944, sms=132, elem_bytes=4).block_k == 256
-
-
-@pytest.mark.parametrize("head_dim", [32, 64])
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_qkv_rotary_kv_write(monkeypatch, head_dim: int, rows: int, cache_dtype: torch.dtype) -> None:
-    """One kernel (projection, rotary in the epilogue, k and v stored at their slots) equals the linear followed
-    by fused.rotary_kv_write's torch definition."""
-    q_heads, kv_heads, hidden, slots = 4, 2, 96, 10
-    width = (q_heads + 2 * kv_heads) * head_dim
-    x, w, b = torch.randn(rows, hidden), torch.randn(width, hidden) / 8, torch.randn(width)
-    angles = torch.randn(rows, head_dim // 2)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    slot_mapping = torch.randperm(slots)[:rows]
-    results = []
-    for use_triton in (False, True):
-        monkeypatch.setattr(skinny, "_use_triton", lambda x, on=use_triton: on)
-        monkeypatch.setattr(fused, "_use_triton", lambda x: False)
-        k_cache, v_cache = (torch.zeros(slots, kv_heads, head_dim, dtype=cache_dtype, device=DEVICE) for _ in "kv")
-        q = skinny.qkv_rotary_kv_write(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), q_heads, kv_heads, head_dim,
-                                       cos.to(DEVICE), sin.to(DEVICE), k_cache, v_cache, slot_mapping.to(DEVICE))
-        results.append((q, k_cache, v_cache))
-    (want_q, want_k, want_v), (q, k, v) = results
-    assert q.shape == (rows, q_heads, head_dim)
-    _close(q, want_q)
-    tol = {"rtol": 1e-3, "atol": 1e-3} if cache_dtype == torch.float16 else {"rtol": 1e-4, "atol": 1e-4}
-    torch.testing.assert_close(k, want_k, **tol)
-    torch.testing.assert_close(v, want_v, **tol)
-    assert k[slot_mapping].abs().sum() > 0 and k.abs().sum() == k[slot_mapping].abs().sum()  # only their slots
