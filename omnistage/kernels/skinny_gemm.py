@@ -98,13 +98,14 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: int = 2) -> Tiling:
     """Tiles from a sweep on an H200 (benchmarks/skinny_gemm.py --sweep, bf16, one row): 32 weight rows per
-    program, 32 KB of weights per pipeline stage (16 KB per matrix for gate-up's two), and K split in powers
-    of two while the programs still fit one per SM with every slice at least two steps long. More programs
-    than SMs was slower on every shape: a program's four stages in flight is what keeps the memory busy.
+    program (64 where 32 would leave a second, nearly empty wave), 32 KB of weights per pipeline stage (8 KB
+    per matrix for gate-up's two, and for K < 2048, whose few steps pipeline better short), and K split in
+    powers of two while the programs still fit one per SM with every slice at least two steps long. More
+    programs than SMs was slower on every split shape: a program's stages in flight keep the memory busy.
     From shapes and SM count only, so a CUDA graph captured once stays valid."""
     block_n = 32
     if not gate_up and sms < triton.cdiv(n, block_n) < 2 * sms:
-        block_n = 64  # one full wave rather than a second, nearly empty one (the thinker's qkv: 144 tiles)
+        block_n = 64  # the thinker's qkv: 144 tiles of 32 on 132 SMs
     stage_bytes = 8192 if gate_up or k < 2048 else 32768  # of each weight matrix read
     block_k = stage_bytes // (block_n * elem_bytes)
     row_tiles, k_steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
