@@ -17,28 +17,12 @@ import argparse
 
 import torch
 import triton
+from graph_timing import time_graph
 from recording import recorder
 
 from omnistage.engine.ar.triton_attention import _sm_count, decode_splits, paged_attention_triton
 
 PAGE = 16
-
-
-def time_graph(fn, calls: int, replays: int) -> float:
-    """Microseconds per fn() call, over `replays` replays of a graph of `calls` calls."""
-    fn()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * calls)
 
 
 def run_case(batch: int, heads: int, kv_heads: int, head_dim: int, context: int, args: argparse.Namespace) -> dict:
@@ -58,9 +42,9 @@ def run_case(batch: int, heads: int, kv_heads: int, head_dim: int, context: int,
         layer[0] = (layer[0] + 1) % args.layers
         return paged_attention_triton(q, k, v, tables, seq_lens, cu_q, 1, PAGE, head_dim**-0.5, num_splits=splits)
 
-    single_us = time_graph(lambda: call(1), args.calls, args.replays)
-    split_us = time_graph(lambda: call(None), args.calls, args.replays)
-    forced = {f"splits{n}_us": round(time_graph(lambda n=n: call(n), args.calls, args.replays), 2)
+    single_us = time_graph([lambda: call(1)] * args.calls, args.replays)
+    split_us = time_graph([lambda: call(None)] * args.calls, args.replays)
+    forced = {f"splits{n}_us": round(time_graph([lambda n=n: call(n)] * args.calls, args.replays), 2)
               for n in map(int, filter(None, args.splits.split(",")))}
     layer[0] = 0
     single = call(1)

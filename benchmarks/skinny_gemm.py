@@ -18,6 +18,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from graph_timing import time_graph
 
 from omnistage.kernels import skinny_gemm as skinny
 from omnistage.kernels.fused import add_rmsnorm, silu_mul
@@ -48,44 +49,24 @@ def make_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n
     return lambda: add_rmsnorm(skinny.linear(x, w, partial=True, tiling=tiling), residual, norm_w, 1e-6)
 
 
+def op_inputs(op: str, n: int, k: int, bias: bool, m: int, dev: torch.device) -> tuple:
+    """(x, bias, norm weight, residual) for `m` rows of a layer op with an [n, k] weight."""
+    width = n // 2 if op == "gate_up" else n
+    return (torch.randn(m, k, device=dev, dtype=torch.bfloat16),
+            torch.randn(n, device=dev, dtype=torch.bfloat16) if bias else None,
+            torch.ones(width, device=dev, dtype=torch.bfloat16),
+            torch.randn(m, width, device=dev, dtype=torch.bfloat16))
+
+
 def time_op(op: str, n: int, k: int, bias: bool, m: int, tiling: skinny.Tiling | None, weights: list) -> float:
     """Microseconds per call: a graph of CALLS calls over distinct weight copies, replayed."""
-    dev = weights[0].device
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    width = n // 2 if op == "gate_up" else n
-    residual = torch.randn(m, width, device=dev, dtype=torch.bfloat16)
-    norm_w = torch.ones(width, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, device=dev, dtype=torch.bfloat16) if bias else None
-    fns = [make_op(op, x, weights[i % len(weights)], b, norm_w, residual, tiling) for i in range(CALLS)]
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for fn in fns:  # compile and warm up outside the capture
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for fn in fns:
-            fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 20
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * CALLS)
+    x, b, norm_w, residual = op_inputs(op, n, k, bias, m, weights[0].device)
+    return time_graph([make_op(op, x, weights[i % len(weights)], b, norm_w, residual, tiling) for i in range(CALLS)])
 
 
 def check(op: str, n: int, k: int, bias: bool, m: int, tiling: skinny.Tiling | None, w: torch.Tensor) -> float:
     """Largest difference from cuBLAS's result, relative to its largest magnitude (bf16: ~1e-2 expected)."""
-    x = torch.randn(m, k, device=w.device, dtype=torch.bfloat16)
-    b = torch.randn(n, device=w.device, dtype=torch.bfloat16) if bias else None
-    width = n // 2 if op == "gate_up" else n
-    residual = torch.randn(m, width, device=w.device, dtype=torch.bfloat16)
-    norm_w = torch.ones(width, device=w.device, dtype=torch.bfloat16)
+    x, b, norm_w, residual = op_inputs(op, n, k, bias, m, w.device)
     want = make_op(op, x, w, b, norm_w, residual, None)()
     got = make_op(op, x, w, b, norm_w, residual, tiling)()
     want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
