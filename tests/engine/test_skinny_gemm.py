@@ -75,8 +75,6 @@ def test_a_row_does_not_depend_on_its_batch(force_triton) -> None:
 
 
 def test_choose_tiling() -> None:
-    if skinny.triton is None:
-        pytest.skip("needs triton")
     # what the sweep found best on an H200 (132 SMs), bf16
     assert skinny.choose_tiling(896, 18944, sms=132) == skinny.Tiling(32, 512, 4, 4, 4)  # talker down: split K
     assert skinny.choose_tiling(3584, 18944, sms=132).splits == 1  # thinker down: 112 row tiles already
