@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from omnistage.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -41,7 +43,8 @@ if triton is not None:
     @triton.jit
     def _add_rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_xp, stride_x, stride_r, stride_y, n_cols, eps,
                             HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr, PARTS: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -77,11 +80,13 @@ def add_rmsnorm(
     out = torch.empty(rows, n_cols, dtype=dtype if parts > 1 else x.dtype, device=x.device)
     store_sum = residual is not None or parts > 1
     res_out = torch.empty_like(out) if store_sum else x
+    use_pdl = pdl.enabled(x.device)
     _add_rmsnorm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, res_out,
         x.stride(0) if parts > 1 else 0, x.stride(-2), residual.stride(0) if residual is not None else 0,
         out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, STORE_SUM=store_sum, PARTS=parts,
-        BLOCK=triton.next_power_of_2(n_cols), num_warps=8 if n_cols > 2048 else 4,
+        BLOCK=triton.next_power_of_2(n_cols), PDL=use_pdl, num_warps=8 if n_cols > 2048 else 4,
+        **pdl.launch_options(use_pdl),
     )
     return out, res_out
 
@@ -129,8 +134,9 @@ if triton is not None:
     def _rotary_kv_write_kernel(Q, K, V, KC, VC, COS, SIN, SLOTS,
                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                                 stride_ct, stride_ch, stride_c, n_q_heads, n_k_heads,
-                                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                                HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
         """One token: q rotated in place; rotated k and plain v stored at its cache slot."""
+        pdl.wait_for_inputs(PDL)
         tok = tl.program_id(0).to(tl.int64)
         cos1, cos2, sin1, sin2 = _load_cos_sin(COS, SIN, tok, stride_c, HALF)
         q = Q + tok * stride_qt
@@ -177,11 +183,13 @@ def rotary_kv_write(
         k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         return q
+    use_pdl = pdl.enabled(q.device)
     _rotary_kv_write_kernel[(q.shape[0],)](
         q, k, v, k_cache, v_cache, cos, sin, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), cos.stride(0), q.shape[1], k.shape[1],
-        HALF=q.shape[-1] // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+        HALF=q.shape[-1] // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), PDL=use_pdl,
+        **pdl.launch_options(use_pdl),
     )
     return q
 

@@ -16,12 +16,14 @@ Elsewhere (CPU, or more rows) the same math runs through torch.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 
+from omnistage.kernels import pdl
 from omnistage.kernels.fused import silu_mul
 
 try:
@@ -43,7 +45,8 @@ if triton is not None:
     def _skinny_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, k_per_split,
                             HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+                            W_BYTES: tl.constexpr):
         pid_n, split = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -51,6 +54,13 @@ if triton is not None:
         w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
         k_begin = split * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
+        if PREFETCH_K > 0:  # the first weights of each row, into L2 while the previous kernel finishes
+            starts = W + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn + k_begin
+            nbytes = tl.zeros([BLOCK_N], dtype=tl.int32) + tl.minimum(k_end - k_begin, PREFETCH_K) * W_BYTES
+            pdl.prefetch_l2(starts, nbytes, PDL)
+            if GATE_UP:
+                pdl.prefetch_l2(starts + N * stride_wn, nbytes, PDL)
+        pdl.wait_for_inputs(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GATE_UP:  # up's rows sit N rows below gate's
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -87,6 +97,7 @@ class Tiling:
     splits: int
     num_warps: int = 4
     num_stages: int = 4
+    prefetch_stages: int = int(os.environ.get("OMNISTAGE_PDL_PREFETCH", "2"))  # BLOCK_K steps per row asked of L2
 
 
 @cache
@@ -131,12 +142,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     else:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    use_pdl = pdl.enabled(x.device)
+    w_bytes = weight.element_size()
+    # cp.async.bulk.prefetch wants 16-byte-aligned starts and sizes
+    aligned = (weight.stride(0) * w_bytes) % 16 == 0 and (k * w_bytes) % 16 == 0 and weight.data_ptr() % 16 == 0
+    prefetch_k = t.prefetch_stages * t.block_k if use_pdl and aligned else 0
     _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
         m * n if partial else 0, n, k_per_split,
         HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=use_pdl, PREFETCH_K=prefetch_k, W_BYTES=w_bytes,
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl.launch_options(use_pdl),
     )
     return y
 

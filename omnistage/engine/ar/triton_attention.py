@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omnistage.kernels import pdl
+
 
 @triton.jit
 def _attend_keys(
@@ -72,7 +74,9 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" keeps float32 exact, else "tf32"
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (omnistage.kernels.pdl)
 ):
+    pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -112,10 +116,11 @@ def _decode_split_kernel(
     block_tables, seq_lens, cu_q, scale, window, splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One decode token's GROUP query heads against one of `splits` equal, BLOCK_N-aligned slices of
     its visible keys. A slice past the context leaves the neutral partial (sum 0, max -1e30, acc 0)."""
+    pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -152,9 +157,10 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_combine_kernel(
     Acc, Max, Sum, Out, cu_q, splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge one (sequence, query head)'s partials: rescale each by exp(max - overall max), then divide."""
+    pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(cu_q + seq)
@@ -223,6 +229,8 @@ def paged_attention_triton(
     precision = "ieee" if exact else "tf32"
     batch = block_tables.shape[0]
     window = sliding_window or 0
+    use_pdl = pdl.enabled(query.device)
+    launch = pdl.launch_options(use_pdl)
     if max_query_len == 1:
         splits = num_splits or decode_splits(
             batch, num_kv_heads, block_tables.shape[1], page_size, block_n, _sm_count(query.device))
@@ -235,11 +243,11 @@ def paged_attention_triton(
                 scale, window, splits,
                 query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
                 GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size, HEAD_DIM=head_dim,
-                BLOCK_D=block_d, PRECISION=precision,
+                BLOCK_D=block_d, PRECISION=precision, PDL=use_pdl, **launch,
             )
             _decode_combine_kernel[(batch, num_heads)](
                 acc, row_max, row_sum, out, cu_seqlens_q, splits, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl, **launch,
             )
             return out
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
@@ -249,6 +257,6 @@ def paged_attention_triton(
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=precision,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=precision, PDL=use_pdl, **launch,
     )
     return out

@@ -1,0 +1,67 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels, on Hopper and later.
+
+A batch-1 decode step is a chain of ~200 kernels of a few µs each, and every link costs ~2 µs whatever
+the kernel does: the next kernel is launched only once the previous one has drained, and then waits a
+memory round trip for its first weights. With PDL the next kernel is launched while the previous one still
+runs; it executes `griddepcontrol.wait` before it reads anything an earlier kernel wrote, and a GEMM first
+asks L2 for its weights (which no kernel writes), so its launch and its first weight reads overlap the
+previous kernel's work.
+
+The rule every kernel launched with `launch_pdl` follows: call `wait_for_inputs(PDL)` before any load or
+store of activations, caches or metadata. Only reads of never-written data (weights) may come before it.
+A kernel that follows a kernel launched without PDL (torch's, cuBLAS's) just finds its wait already met.
+Off on CPU, before Hopper, and with OMNISTAGE_PDL=0.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is needed only on CUDA
+    triton = None
+
+
+@cache
+def _supported(device_index: int) -> bool:
+    if os.environ.get("OMNISTAGE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return torch.cuda.get_device_capability(device_index)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL (pass it as the kernels' PDL constexpr)."""
+    return triton is not None and device.type == "cuda" and _supported(device.index or 0)
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keyword for a kernel whose PDL constexpr is `pdl` (none at all when off, for the interpreter)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def wait_for_inputs(PDL: tl.constexpr):
+        """Wait until the previous kernel in the stream has finished and its writes are visible, then let the
+        next kernel launch (it will wait in turn). A no-op without PDL."""
+        if PDL:
+            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                                      pack=1)
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+
+    @triton.jit
+    def prefetch_l2(ptrs, nbytes, PDL: tl.constexpr):
+        """Ask L2 for `nbytes` (a multiple of 16) at each 16-byte-aligned pointer, without waiting for them:
+        one bulk-copy prefetch instruction each. Only under PDL, where it overlaps the previous kernel."""
+        if PDL:
+            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [ptrs, nbytes],
+                                      dtype=tl.int32, is_pure=False, pack=1)
