@@ -45,6 +45,7 @@ if triton is not None:
                             HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr, PARTS: tl.constexpr,
                             BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl.wait_for_inputs(PDL)
+        pdl.launch_next(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -137,6 +138,7 @@ if triton is not None:
                                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
         """One token: q rotated in place; rotated k and plain v stored at its cache slot."""
         pdl.wait_for_inputs(PDL)
+        pdl.launch_next(PDL)
         tok = tl.program_id(0).to(tl.int64)
         cos1, cos2, sin1, sin2 = _load_cos_sin(COS, SIN, tok, stride_c, HALF)
         q = Q + tok * stride_qt

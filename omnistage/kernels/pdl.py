@@ -9,6 +9,7 @@ previous kernel's work.
 
 The rule every kernel launched with `launch_pdl` follows: call `wait_for_inputs(PDL)` before any load or
 store of activations, caches or metadata. Only reads of never-written data (weights) may come before it.
+`launch_next(PDL)` then says when the next kernel may launch.
 A kernel that follows a kernel launched without PDL (torch's, cuBLAS's) just finds its wait already met.
 Off on CPU, before Hopper, and with OMNISTAGE_PDL=0.
 """
@@ -50,11 +51,17 @@ if triton is not None:
 
     @triton.jit
     def wait_for_inputs(PDL: tl.constexpr):
-        """Wait until the previous kernel in the stream has finished and its writes are visible, then let the
-        next kernel launch (it will wait in turn). A no-op without PDL."""
+        """Wait until the previous kernel in the stream has finished and its writes are visible. A no-op
+        without PDL."""
         if PDL:
             tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False,
                                       pack=1)
+
+    @triton.jit
+    def launch_next(PDL: tl.constexpr):
+        """Let the next kernel launch (it waits in turn before reading this one's results): early in a short
+        kernel; after the main loop in a long one, so the next one's blocks take SMs only for the tail."""
+        if PDL:
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
                                       is_pure=False, pack=1)
 

@@ -74,6 +74,7 @@ if triton is not None:
             if GATE_UP:
                 w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_ok, other=0.0)
                 acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+        pdl.launch_next(PDL)
         out = Y + split * stride_ys + m[:, None] * stride_ym + rows[None, :]
         ok = m_ok[:, None] & row_ok[None, :]
         if PARTIAL:

@@ -77,6 +77,7 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (omnistage.kernels.pdl)
 ):
     pdl.wait_for_inputs(PDL)
+    pdl.launch_next(PDL)
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -121,6 +122,7 @@ def _decode_split_kernel(
     """One decode token's GROUP query heads against one of `splits` equal, BLOCK_N-aligned slices of
     its visible keys. A slice past the context leaves the neutral partial (sum 0, max -1e30, acc 0)."""
     pdl.wait_for_inputs(PDL)
+    pdl.launch_next(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,6 +163,7 @@ def _decode_combine_kernel(
 ):
     """Merge one (sequence, query head)'s partials: rescale each by exp(max - overall max), then divide."""
     pdl.wait_for_inputs(PDL)
+    pdl.launch_next(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(cu_q + seq)
