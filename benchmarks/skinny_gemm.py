@@ -1,10 +1,12 @@
 """Skinny GEMMs (decode batches of ≤ 16 rows): omnistage's Triton kernels vs cuBLAS, per linear layer of the
 Qwen2.5-Omni talker and thinker, each timed with the op that consumes its output (as the fused decoder runs
-them): qkv (+bias), o (+add+RMSNorm), gate-up (+SiLU-mul), down (+add+RMSNorm).
+them): qkv (+bias), o (+add+RMSNorm), gate-up (+SiLU-mul), down (+add+RMSNorm); and the talker's input
+projection (+bias) and both LM heads (logits handed on as float32).
 
 Weights are cycled over enough copies to exceed the L2 cache (a decode step never finds a layer's weights
 there), and each measurement is a CUDA graph of 24 calls replayed, as a decode step runs. `--sweep` times
-every tiling of a grid at M=1 and reports the best beside the built-in choice (`choose_tiling`).
+every tiling of a grid at M=1 and reports the best beside the built-in choice (`choose_tiling`). `--pdl on,off`
+times the Triton kernels with and without programmatic dependent launch (omnistage/kernels/pdl.py).
 
     python benchmarks/skinny_gemm.py --out skinny.jsonl            # GPU: built-in choice vs cuBLAS, M=1,2,4,8,16
     python benchmarks/skinny_gemm.py --sweep --out sweep.jsonl     # GPU: also the tiling grid at M=1
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from graph_timing import time_graph
 
+from omnistage.kernels import pdl
 from omnistage.kernels import skinny_gemm as skinny
 from omnistage.kernels.fused import add_rmsnorm, silu_mul
 
@@ -29,6 +32,8 @@ SHAPES = [
     ("talker", "gate_up", 2 * 18944, 896, False), ("talker", "down", 896, 18944, False),
     ("thinker", "qkv", 4608, 3584, True), ("thinker", "o", 3584, 3584, False),
     ("thinker", "gate_up", 2 * 18944, 3584, False), ("thinker", "down", 3584, 18944, False),
+    ("talker", "input_proj", 896, 3584, True), ("talker", "head", 8448, 896, False),
+    ("thinker", "head", 152064, 3584, False),
 ]
 CALLS = 24
 
@@ -36,7 +41,11 @@ CALLS = 24
 def make_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_w: torch.Tensor,
             residual: torch.Tensor, tiling: skinny.Tiling | None):
     """The layer op and its consumer; tiling None = cuBLAS (torch) path."""
-    if op == "qkv":
+    if op == "head":  # logits handed on as float32
+        if tiling is None:
+            return lambda: F.linear(x, w).float()
+        return lambda: skinny._launch(x, w, None, w.shape[0], False, False, tiling, out_dtype=torch.float32)
+    if op in ("qkv", "input_proj"):
         if tiling is None:
             return lambda: F.linear(x, w, b)
         return lambda: skinny.linear(x, w, b, tiling=tiling)
@@ -78,6 +87,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default="", help="comma list of model.op to run, e.g. talker.down")
+    ap.add_argument("--pdl", default="on", help="programmatic dependent launch: on, off or on,off (each timed)")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -117,8 +127,10 @@ def main() -> None:
             best = results[0][1]
             top = [(round(us, 2), t.__dict__) for us, t in results[:5]]
             emit({"model": model, "op": op, "summary": "sweep", "best": top})
-        for m in (int(r) for r in args.rows.split(",")):
-            row = {"model": model, "op": op, "n": n, "k": k, "rows": m, "weight_mb": round(size / 1e6, 1)}
+        for m, mode in itertools.product((int(r) for r in args.rows.split(",")), args.pdl.split(",")):
+            pdl.set_enabled(None if mode == "on" else False)
+            row = {"model": model, "op": op, "n": n, "k": k, "rows": m, "weight_mb": round(size / 1e6, 1),
+                   "pdl": pdl.enabled(dev)}
             row["cublas_us"] = round(time_op(op, n, k, bias, m, None, weights), 2)
             row["chosen"] = chosen.__dict__
             row["chosen_us"] = round(time_op(op, n, k, bias, m, chosen, weights), 2)

@@ -23,6 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from omnistage.engine.ar.attention import AttentionMetadata, KVSpec, paged_attention
 from omnistage.errors import ConfigError
+from omnistage.kernels import skinny_gemm
 
 ATTN_IMPL = "omnistage_paged"
 _METADATA_KWARG = "omnistage_attn"
@@ -193,6 +194,8 @@ class HFCausalLM:
 
     def _inputs(self, token_ids: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
         hidden = embeds if embeds is not None else self.embed(token_ids)
+        if isinstance(self.input_proj, nn.Linear):  # a decode batch's few rows: the skinny-GEMM kernel on CUDA
+            return skinny_gemm.linear(hidden, self.input_proj.weight, self.input_proj.bias)
         return self.input_proj(hidden) if self.input_proj is not None else hidden
 
     def forward(
@@ -243,4 +246,6 @@ class HFCausalLM:
         return hidden[0], layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, nn.Linear):
+            return skinny_gemm.linear_to_float(hidden, self.lm_head.weight, self.lm_head.bias)
         return self.lm_head(hidden).float()

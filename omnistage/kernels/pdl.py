@@ -28,6 +28,16 @@ except ImportError:  # Triton is needed only on CUDA
     triton = None
 
 
+_forced: bool | None = None  # set_enabled's override (tests, benchmarks)
+
+
+def set_enabled(value: bool | None) -> None:
+    """Force PDL off (False) or back to the default (None: on where supported). Kernels compile for both, and
+    a CUDA graph keeps the launches it captured."""
+    global _forced
+    _forced = None if value is None else bool(value)
+
+
 @cache
 def _supported(device_index: int) -> bool:
     if os.environ.get("OMNISTAGE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
@@ -39,7 +49,9 @@ def _supported(device_index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (pass it as the kernels' PDL constexpr)."""
-    return triton is not None and device.type == "cuda" and _supported(device.index or 0)
+    if _forced is False or triton is None or device.type != "cuda":
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_options(pdl: bool) -> dict:
@@ -64,11 +76,3 @@ if triton is not None:
         if PDL:
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
                                       is_pure=False, pack=1)
-
-    @triton.jit
-    def prefetch_l2(ptrs, nbytes, PDL: tl.constexpr):
-        """Ask L2 for `nbytes` (a multiple of 16) at each 16-byte-aligned pointer, without waiting for them:
-        one bulk-copy prefetch instruction each. Only under PDL, where it overlaps the previous kernel."""
-        if PDL:
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [ptrs, nbytes],
-                                      dtype=tl.int32, is_pure=False, pack=1)

@@ -16,7 +16,6 @@ Elsewhere (CPU, or more rows) the same math runs through torch.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -45,8 +44,7 @@ if triton is not None:
     def _skinny_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, k_per_split,
                             HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
-                            W_BYTES: tl.constexpr):
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid_n, split = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -54,12 +52,6 @@ if triton is not None:
         w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
         k_begin = split * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
-        if PREFETCH_K > 0:  # the first weights of each row, into L2 while the previous kernel finishes
-            starts = W + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn + k_begin
-            nbytes = tl.zeros([BLOCK_N], dtype=tl.int32) + tl.minimum(k_end - k_begin, PREFETCH_K) * W_BYTES
-            pdl.prefetch_l2(starts, nbytes, PDL)
-            if GATE_UP:
-                pdl.prefetch_l2(starts + N * stride_wn, nbytes, PDL)
         pdl.wait_for_inputs(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GATE_UP:  # up's rows sit N rows below gate's
@@ -80,15 +72,15 @@ if triton is not None:
         if PARTIAL:
             tl.store(out, acc, mask=ok)
         else:
-            dtype = Y.dtype.element_ty
+            dtype = X.dtype.element_ty  # rounded to the activations' dtype, then stored as Y's (maybe float32)
             if HAS_BIAS:
                 acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
             if GATE_UP:  # rounded where F.silu(gate(x)) * up(x) rounds
                 gate = acc.to(dtype).to(tl.float32)
                 act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-                tl.store(out, act * acc_up.to(dtype), mask=ok)
+                tl.store(out, (act * acc_up.to(dtype)).to(Y.dtype.element_ty), mask=ok)
             else:
-                tl.store(out, acc.to(dtype), mask=ok)
+                tl.store(out, acc.to(dtype).to(Y.dtype.element_ty), mask=ok)
 
 
 @dataclass(frozen=True)
@@ -98,7 +90,6 @@ class Tiling:
     splits: int
     num_warps: int = 4
     num_stages: int = 4
-    prefetch_stages: int = int(os.environ.get("OMNISTAGE_PDL_PREFETCH", "2"))  # BLOCK_K steps per row asked of L2
 
 
 @cache
@@ -128,7 +119,7 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, gate_up: bool,
-            partial: bool, tiling: Tiling | None) -> torch.Tensor:
+            partial: bool, tiling: Tiling | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -142,18 +133,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     if partial:
         y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     else:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     use_pdl = pdl.enabled(x.device)
-    w_bytes = weight.element_size()
-    # cp.async.bulk.prefetch wants 16-byte-aligned starts and sizes
-    aligned = (weight.stride(0) * w_bytes) % 16 == 0 and (k * w_bytes) % 16 == 0 and weight.data_ptr() % 16 == 0
-    prefetch_k = t.prefetch_stages * t.block_k if use_pdl and aligned else 0
     _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
         m * n if partial else 0, n, k_per_split,
         HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=use_pdl, PREFETCH_K=prefetch_k, W_BYTES=w_bytes,
+        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=use_pdl,
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl.launch_options(use_pdl),
     )
     return y
@@ -166,6 +153,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not _use_triton(x):
         return F.linear(x, weight, bias)
     return _launch(x, weight, bias, weight.shape[0], False, partial and bias is None, tiling)
+
+
+def linear_to_float(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias).float() (an LM head's logits: rounded to x's dtype, handed on as float32),
+    with no separate conversion kernel."""
+    if not _use_triton(x):
+        return F.linear(x, weight, bias).float()
+    return _launch(x, weight, bias, weight.shape[0], False, False, None, out_dtype=torch.float32)
 
 
 def gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor, tiling: Tiling | None = None) -> torch.Tensor:

@@ -82,3 +82,15 @@ def test_choose_tiling() -> None:
     assert skinny.choose_tiling(896, 896, sms=132) == skinny.Tiling(32, 128, 2, 4, 4)  # talker o: 7 steps of K
     # float32 (the GPU tests' tiny models): the same bytes per stage, so shared memory still suffices
     assert skinny.choose_tiling(896, 18944, sms=132, elem_bytes=4).block_k == 256
+
+
+# bfloat16 only on a GPU: Triton's interpreter computes bfloat16 dots wrongly
+@pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * torch.cuda.is_available())
+def test_linear_to_float_rounds_like_the_head_then_float(force_triton, dtype: torch.dtype) -> None:
+    """An LM head's logits: rounded to the activations' dtype (as `lm_head(x)` rounds) and stored as float32."""
+    x, w = torch.randn(3, 96, device=DEVICE).to(dtype), torch.randn(50, 96, device=DEVICE).to(dtype)
+    got = skinny.linear_to_float(x, w)
+    assert got.dtype == torch.float32 and got.shape == (3, 50)
+    want = F.linear(x, w).float()
+    assert torch.equal(got.to(dtype).float(), got)  # exactly representable in the activations' dtype
+    torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)

@@ -122,7 +122,6 @@ def _decode_split_kernel(
     """One decode token's GROUP query heads against one of `splits` equal, BLOCK_N-aligned slices of
     its visible keys. A slice past the context leaves the neutral partial (sum 0, max -1e30, acc 0)."""
     pdl.wait_for_inputs(PDL)
-    pdl.launch_next(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,6 +149,7 @@ def _decode_split_kernel(
         tl.zeros([BLOCK_M], dtype=tl.float32), K, V, block_tables, seq, kv_head, ctx_len, start, end,
         scale, window, stride_kt, stride_kh, stride_bt, BLOCK_N, PAGE, HEAD_DIM, BLOCK_D, PRECISION,
     )
+    pdl.launch_next(PDL)
     part = (seq * GROUP * tl.num_programs(1) + head).to(tl.int64) * splits + split  # [B, H, SPLITS] index
     tl.store(Max + part, m_i, mask=row_ok)
     tl.store(Sum + part, l_i, mask=row_ok)
