@@ -44,11 +44,12 @@ if triton is not None:
     def _add_rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_xp, stride_x, stride_r, stride_y, n_cols, eps,
                             HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr, PARTS: tl.constexpr,
                             BLOCK: tl.constexpr, PDL: tl.constexpr):
-        pdl.wait_for_inputs(PDL)
-        pdl.launch_next(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
+        w = tl.load(W + cols, mask=ok, other=0.0)  # a weight: read before the wait, beside the previous kernel
+        pdl.wait_for_inputs(PDL)
+        pdl.launch_next(PDL)
         x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
         if PARTS > 1:  # a linear's fp32 partial sums over slices of K: summed in order, rounded once
             for p in tl.static_range(1, PARTS):
@@ -60,7 +61,6 @@ if triton is not None:
             tl.store(RES_OUT + row * stride_y + cols, x, mask=ok)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-        w = tl.load(W + cols, mask=ok, other=0.0)
         tl.store(Y + row * stride_y + cols, w * (xf * rstd).to(Y.dtype.element_ty), mask=ok)
 
 

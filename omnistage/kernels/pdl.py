@@ -1,16 +1,16 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels, on Hopper and later.
 
-A batch-1 decode step is a chain of ~200 kernels of a few µs each, and every link costs ~2 µs whatever
-the kernel does: the next kernel is launched only once the previous one has drained, and then waits a
-memory round trip for its first weights. With PDL the next kernel is launched while the previous one still
-runs; it executes `griddepcontrol.wait` before it reads anything an earlier kernel wrote, and a GEMM first
-asks L2 for its weights (which no kernel writes), so its launch and its first weight reads overlap the
-previous kernel's work.
+A batch-1 decode step is a chain of ~200 kernels of a few µs each, and every link costs time whatever the
+kernel does: the next kernel is launched only once the previous one has drained, and then waits a memory
+round trip for its first weights. With PDL the next kernel is launched while the previous one still runs,
+reads its first weights (which no kernel writes), and executes `griddepcontrol.wait` before it reads
+anything an earlier kernel wrote; so its launch and its first weight reads overlap the previous kernel.
 
 The rule every kernel launched with `launch_pdl` follows: call `wait_for_inputs(PDL)` before any load or
-store of activations, caches or metadata. Only reads of never-written data (weights) may come before it.
-`launch_next(PDL)` then says when the next kernel may launch.
-A kernel that follows a kernel launched without PDL (torch's, cuBLAS's) just finds its wait already met.
+store of activations, caches or metadata; only reads of never-written data (weights) may come before it.
+`launch_next(PDL)` says when the next kernel may launch: early in a short kernel, after the main loop in a
+long one. A kernel that follows one launched without PDL (torch's, cuBLAS's) finds its wait already met.
+Asking L2 for a GEMM's weights beyond its first tile (`cp.async.bulk.prefetch`) was slower on an H200.
 Off on CPU, before Hopper, and with OMNISTAGE_PDL=0.
 """
 
