@@ -128,7 +128,7 @@ def main() -> None:
             top = [(round(us, 2), t.__dict__) for us, t in results[:5]]
             emit({"model": model, "op": op, "summary": "sweep", "best": top})
         for m, mode in itertools.product((int(r) for r in args.rows.split(",")), args.pdl.split(",")):
-            pdl.set_enabled(None if mode == "on" else False)
+            pdl.set_enabled(mode == "on")
             row = {"model": model, "op": op, "n": n, "k": k, "rows": m, "weight_mb": round(size / 1e6, 1),
                    "pdl": pdl.enabled(dev)}
             row["cublas_us"] = round(time_op(op, n, k, bias, m, None, weights), 2)

@@ -1,16 +1,16 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels, on Hopper and later.
 
 A batch-1 decode step is a chain of ~200 kernels of a few µs each, and every link costs time whatever the
-kernel does: the next kernel is launched only once the previous one has drained, and then waits a memory
-round trip for its first weights. With PDL the next kernel is launched while the previous one still runs,
-reads its first weights (which no kernel writes), and executes `griddepcontrol.wait` before it reads
-anything an earlier kernel wrote; so its launch and its first weight reads overlap the previous kernel.
+kernel does: the next kernel is launched only once the previous one has drained. With PDL the next kernel is
+launched while the previous one still runs and executes `griddepcontrol.wait` before it reads anything an
+earlier kernel wrote, so its launch overlaps the previous kernel's tail (on an H200 the talker's code 1.38 ->
+1.33 ms, one Qwen2.5-Omni request 1.49 -> 1.39 s; benchmarks/results/omni_qwen2_5.md, run 15).
 
 The rule every kernel launched with `launch_pdl` follows: call `wait_for_inputs(PDL)` before any load or
 store of activations, caches or metadata; only reads of never-written data (weights) may come before it.
 `launch_next(PDL)` says when the next kernel may launch: early in a short kernel, after the main loop in a
 long one. A kernel that follows one launched without PDL (torch's, cuBLAS's) finds its wait already met.
-Asking L2 for a GEMM's weights beyond its first tile (`cp.async.bulk.prefetch`) was slower on an H200.
+Reading a GEMM's weights before the wait (into L2, or its first tile into registers) was slower there.
 Off on CPU, before Hopper, and with OMNISTAGE_PDL=0.
 """
 
@@ -28,14 +28,14 @@ except ImportError:  # Triton is needed only on CUDA
     triton = None
 
 
-_forced: bool | None = None  # set_enabled's override (tests, benchmarks)
+_forced_off = False  # set_enabled(False) (tests, benchmarks)
 
 
-def set_enabled(value: bool | None) -> None:
-    """Force PDL off (False) or back to the default (None: on where supported). Kernels compile for both, and
-    a CUDA graph keeps the launches it captured."""
-    global _forced
-    _forced = None if value is None else bool(value)
+def set_enabled(on: bool) -> None:
+    """Turn PDL off (False) or back on where supported (True), for the launches that follow. Kernels compile
+    for both settings, and a CUDA graph keeps the launches it captured."""
+    global _forced_off
+    _forced_off = not on
 
 
 @cache
@@ -49,7 +49,7 @@ def _supported(device_index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (pass it as the kernels' PDL constexpr)."""
-    if _forced is False or triton is None or device.type != "cuda":
+    if _forced_off or triton is None or device.type != "cuda":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 

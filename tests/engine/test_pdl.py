@@ -16,7 +16,7 @@ needs_pdl = pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch
 @pytest.fixture
 def restore_pdl():
     yield
-    pdl.set_enabled(None)
+    pdl.set_enabled(True)
 
 
 def test_off_on_cpu_and_when_forced_off(restore_pdl) -> None:
@@ -68,7 +68,7 @@ def test_graphed_chain_with_pdl_equals_eager_chain_without(restore_pdl) -> None:
 
     pdl.set_enabled(False)
     want = _layer_chain(hidden, layers, k_cache.clone(), v_cache.clone(), meta)
-    pdl.set_enabled(None)
+    pdl.set_enabled(True)
     assert pdl.enabled(dev)
     kc, vc = k_cache.clone(), v_cache.clone()
     _layer_chain(hidden, layers, kc, vc, meta)  # compile outside the capture
@@ -86,8 +86,8 @@ def test_engine_decodes_the_same_tokens_with_and_without_pdl(tiny_qwen2: str, re
     prompts = ["a b c", "the quick brown fox jumps", "1 2 3 4 5 6 7 8"]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     runs = []
-    for forced in (False, None):
-        pdl.set_enabled(forced)
+    for on in (False, True):
+        pdl.set_enabled(on)
         deploy = {"worker_backend": "inline", "stages": {"lm": {"max_model_len": 128}}}  # inline: the switch reaches it
         with Omni(tiny_qwen2, deploy) as omni:
             runs.append([o.token_ids for o in omni.generate(prompts, params)])
