@@ -42,6 +42,8 @@ def set_enabled(on: bool) -> None:
 def _supported(device_index: int) -> bool:
     if os.environ.get("OMNISTAGE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
+    if torch.version.hip is not None:  # ROCm's "cuda" devices: no griddepcontrol
+        return False
     from triton.backends.nvidia.compiler import CUDAOptions
 
     return torch.cuda.get_device_capability(device_index)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
