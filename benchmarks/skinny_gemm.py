@@ -110,7 +110,7 @@ def main() -> None:
         chosen = skinny.choose_tiling(n // 2 if op == "gate_up" else n, k, sms, gate_up=op == "gate_up")
         best = None
         if args.sweep:
-            splits = (1, 2, 4, 8, 16, 32) if op in ("o", "down") else (1,)
+            splits = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32) if op in ("o", "down") else (1,)  # 9 x 14 tiles of 64: 126 SMs
             results = []
             for bn, bk, warps, stages, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4), splits):
                 if s > 1 and k // (bk * s) < 1:
