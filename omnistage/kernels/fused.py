@@ -81,13 +81,11 @@ def add_rmsnorm(
     out = torch.empty(rows, n_cols, dtype=dtype if parts > 1 else x.dtype, device=x.device)
     store_sum = residual is not None or parts > 1
     res_out = torch.empty_like(out) if store_sum else x
-    use_pdl = pdl.enabled(x.device)
     _add_rmsnorm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, res_out,
         x.stride(0) if parts > 1 else 0, x.stride(-2), residual.stride(0) if residual is not None else 0,
         out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, STORE_SUM=store_sum, PARTS=parts,
-        BLOCK=triton.next_power_of_2(n_cols), PDL=use_pdl, num_warps=8 if n_cols > 2048 else 4,
-        **pdl.launch_options(use_pdl),
+        BLOCK=triton.next_power_of_2(n_cols), num_warps=8 if n_cols > 2048 else 4, **pdl.kernel_args(x.device),
     )
     return out, res_out
 
@@ -185,13 +183,12 @@ def rotary_kv_write(
         k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         return q
-    use_pdl = pdl.enabled(q.device)
     _rotary_kv_write_kernel[(q.shape[0],)](
         q, k, v, k_cache, v_cache, cos, sin, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), cos.stride(0), q.shape[1], k.shape[1],
-        HALF=q.shape[-1] // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), PDL=use_pdl,
-        **pdl.launch_options(use_pdl),
+        HALF=q.shape[-1] // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+        **pdl.kernel_args(q.device),
     )
     return q
 

@@ -61,6 +61,12 @@ def launch_options(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+def kernel_args(device: torch.device) -> dict:
+    """What a launch on `device` spreads into its arguments: the kernel's PDL constexpr and the launch keyword."""
+    on = enabled(device)
+    return {"PDL": on, **launch_options(on)}
+
+
 if triton is not None:
 
     @triton.jit

@@ -138,14 +138,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     else:
         y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    use_pdl = pdl.enabled(x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
         m * n if partial else 0, n, k_per_split,
         HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=use_pdl,
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl.launch_options(use_pdl),
+        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        **pdl.kernel_args(x.device),
     )
     return y
 

@@ -232,8 +232,7 @@ def paged_attention_triton(
     precision = "ieee" if exact else "tf32"
     batch = block_tables.shape[0]
     window = sliding_window or 0
-    use_pdl = pdl.enabled(query.device)
-    launch = pdl.launch_options(use_pdl)
+    launch = pdl.kernel_args(query.device)
     if max_query_len == 1:
         splits = num_splits or decode_splits(
             batch, num_kv_heads, block_tables.shape[1], page_size, block_n, _sm_count(query.device))
@@ -246,11 +245,11 @@ def paged_attention_triton(
                 scale, window, splits,
                 query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
                 GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size, HEAD_DIM=head_dim,
-                BLOCK_D=block_d, PRECISION=precision, PDL=use_pdl, **launch,
+                BLOCK_D=block_d, PRECISION=precision, **launch,
             )
             _decode_combine_kernel[(batch, num_heads)](
                 acc, row_max, row_sum, out, cu_seqlens_q, splits, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl, **launch,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), **launch,
             )
             return out
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
@@ -260,6 +259,6 @@ def paged_attention_triton(
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=precision, PDL=use_pdl, **launch,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=precision, **launch,
     )
     return out
