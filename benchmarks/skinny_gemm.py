@@ -44,7 +44,7 @@ def make_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n
     if op == "head":  # logits handed on as float32
         if tiling is None:
             return lambda: F.linear(x, w).float()
-        return lambda: skinny._launch(x, w, None, w.shape[0], False, False, tiling, out_dtype=torch.float32)
+        return lambda: skinny.linear_to_float(x, w, tiling=tiling)
     if op in ("qkv", "input_proj"):
         if tiling is None:
             return lambda: F.linear(x, w, b)

@@ -158,12 +158,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _launch(x, weight, bias, weight.shape[0], False, partial and bias is None, tiling)
 
 
-def linear_to_float(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_to_float(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    tiling: Tiling | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias).float() (an LM head's logits: rounded to x's dtype, handed on as float32),
     with no separate conversion kernel."""
     if not _use_triton(x):
         return F.linear(x, weight, bias).float()
-    return _launch(x, weight, bias, weight.shape[0], False, False, None, out_dtype=torch.float32)
+    return _launch(x, weight, bias, weight.shape[0], False, False, tiling, out_dtype=torch.float32)
 
 
 def gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor, tiling: Tiling | None = None) -> torch.Tensor:
