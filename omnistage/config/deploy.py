@@ -52,11 +52,6 @@ class StageConfig(_Strict):
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
         "favours when stages share it; None: high for autoregressive stages (short steps a request waits on), "
         "normal for the rest")
-    sm_count: int | None = Field(
-        None, ge=1, description="inline stages on a GPU: run this stage's kernels on at most this many of the GPU's "
-        "multiprocessors (a CUDA green context), leaving the rest to the stages it shares the GPU with; None: all. "
-        "For a stage of long, compute-bound kernels (token2wav) beside stages of short decode steps (thinker, "
-        "talker)")
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict, description="Stage-specific knobs its family documents")
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.config.deploy import ConnectorConfig, DeployConfig, did_you_mean, load_deploy_config
-from omnistage.engine.transfer import sm_share
 from omnistage.errors import ConfigError
 from omnistage.families.base import Pipeline
 from omnistage.families.registry import PLUGINS_ENV, detect_family
@@ -43,10 +42,8 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
     links = connector_choice(pipeline)
     if backend == "inline":
         def make_worker(stage: str, replica: int, on_outputs: OutputCallback, on_exit: ExitCallback):
-            cfg = pipeline.stage_config(stage)
-            with sm_share(cfg.sm_count):  # the engine's graph captures and the worker's stream
-                return InlineStageWorker(stage, replica, pipeline.build_engine(stage), on_outputs, on_exit,
-                                         cfg.stream_priority)
+            return InlineStageWorker(stage, replica, pipeline.build_engine(stage), on_outputs, on_exit,
+                                     pipeline.stage_config(stage).stream_priority)
 
         return Orchestrator(pipeline, make_worker)
 

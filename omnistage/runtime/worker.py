@@ -22,7 +22,6 @@ from typing import Any, Protocol
 import torch
 
 from omnistage.engine.base import Engine
-from omnistage.engine.transfer import stage_stream
 from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import OmniError
 
@@ -219,7 +218,7 @@ class InlineStageWorker:
         self.stream = None
         if device is not None and torch.device(device).type == "cuda":
             high = stream_priority == "high" or (stream_priority is None and getattr(engine, "latency_bound", False))
-            self.stream = stage_stream(device, priority=-1 if high else 0)
+            self.stream = torch.cuda.Stream(device, priority=-1 if high else 0)
             torch.cuda.synchronize(device)  # what building the engine left on the default stream is done
         self.loop = EngineLoop(stage, engine, self._report, receive=self._receive)
         self._stopping = False
