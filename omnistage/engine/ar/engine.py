@@ -332,7 +332,8 @@ class AREngine:
         def draw(logits: torch.Tensor) -> torch.Tensor:
             if not columns:
                 columns.append(self._batch_columns(seqs, logits.shape[-1], logits.device, pending))
-            return self._draw_with(*columns[0], logits)
+            cols, slots = columns[0]
+            return self.sampler.draw(logits, cols, self.history, slots)
 
         static = self._static_draw
         if static is not None and steps == self.runner.burst_steps and self.runner.has_burst_graph(len(seqs)):
@@ -361,17 +362,10 @@ class AREngine:
         """Tokens drawn on the device, recorded into the token history when penalties need it. `pending`: how many
         tokens of each sequence (by id) are still in flight."""
         cols, slots = self._batch_columns(seqs, logits.shape[-1], logits.device, pending)
-        tokens = self._draw_with(cols, slots, logits)
+        tokens = self.sampler.draw(logits, cols, self.history, slots)
         if cols.needs_history:
             for seq in seqs:
                 seq.history_len += 1
-        return tokens
-
-    def _draw_with(self, cols: SamplingColumns, slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        history = self.history.rows(slots) if cols.needs_history else None
-        tokens = self.sampler.on_device(logits, cols, history)
-        if cols.needs_history:
-            self.history.record(slots, tokens)
         return tokens
 
     def _batch_columns(self, seqs: list[Sequence], vocab: int, device: torch.device, pending: dict[int, int]

@@ -17,6 +17,7 @@ import torch
 
 from omnistage.engine.transfer import host_list, to_device
 from omnistage.engine.types import TokenLogprob
+from omnistage.kernels import draw as fused_draw
 from omnistage.sampling_params import SamplingParams
 
 
@@ -244,10 +245,7 @@ class StaticDraw:
         cols = SamplingColumns(c.temperature[:size], c.greedy[:size], False, c.top_k[:size], c.top_p[:size],
                                c.min_p[:size], c.repetition[:size], c.frequency[:size], c.presence[:size],
                                c.ban[:size], ())
-        slots = self.slots[:size]
-        tokens = self.sampler.on_device(logits, cols, self.history.rows(slots))
-        self.history.record(slots, tokens)
-        return tokens
+        return self.sampler.draw(logits, cols, self.history, self.slots[:size])
 
 
 class Sampler:
@@ -293,6 +291,23 @@ class Sampler:
         seen, counts = history if history is not None else (None, None)
         logits = penalize(logits.float(), cols, seen, counts)
         return choose(logits, cols, lambda probs: self._exponential_noise(probs, cols.generators))
+
+    def draw(self, logits: torch.Tensor, cols: SamplingColumns, history: TokenHistory | None,
+             slots: torch.Tensor) -> torch.Tensor:
+        """`on_device`, and the tokens recorded into `history` at `slots` when penalties need it. A small
+        vocabulary on CUDA takes one kernel for all of it (`omnistage.kernels.draw`); the noise is drawn as
+        `on_device` draws it, so both consume the generators alike."""
+        logits = logits.float()
+        if fused_draw.supported(logits):
+            noise = None if cols.all_greedy else self._exponential_noise(logits, cols.generators)
+            seen, counts = (history.seen, history.counts) if cols.needs_history else (None, None)
+            return fused_draw.draw(logits, noise, cols.temperature, cols.greedy, cols.top_k, cols.top_p, cols.min_p,
+                                   cols.repetition, cols.frequency, cols.presence, cols.ban, seen, counts, slots,
+                                   record=cols.needs_history)
+        tokens = self.on_device(logits, cols, history.rows(slots) if cols.needs_history else None)
+        if cols.needs_history:
+            history.record(slots, tokens)
+        return tokens
 
     def device_generator(self, device: torch.device) -> torch.Generator:
         """The noise source of rows without their own seed (one per sampler, seeded once)."""

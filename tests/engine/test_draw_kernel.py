@@ -1,0 +1,96 @@
+"""The fused draw kernel (omnistage/kernels/draw.py) draws what torch's draw (`Sampler.on_device`) draws, from the
+same noise, and records what `TokenHistory.record` records (on CPU through Triton's interpreter)."""
+
+import pytest
+import torch
+
+from omnistage.engine.ar.sampler import Sampler, SampleRow, TokenHistory
+from omnistage.kernels import draw as fused_draw
+from omnistage.sampling_params import SamplingParams
+
+pytest.importorskip("triton")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def kernel_everywhere(monkeypatch):
+    """The kernel whatever the device (CPU: the interpreter)."""
+    monkeypatch.setattr(fused_draw, "supported", lambda logits: logits.dim() == 2)
+
+
+PARAMS = [
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05),  # the Qwen2.5-Omni talker's
+    SamplingParams(temperature=0.7, top_p=0.5),  # top-p over the whole vocabulary
+    SamplingParams(temperature=1.3, top_k=3),
+    SamplingParams(temperature=1.0, min_p=0.2, frequency_penalty=0.4, presence_penalty=0.3),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),  # greedy beside sampled rows
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=0.6, top_k=200, top_p=0.95, min_p=0.05, repetition_penalty=0.8),
+    SamplingParams(temperature=1.0),
+]
+
+
+def _rows(params: list[SamplingParams], history: list[tuple[list[int], list[int]]]) -> list[SampleRow]:
+    return [SampleRow(p, prompt, out, None, (7, 8) if i % 3 == 0 else ()) for i, (p, (prompt, out))
+            in enumerate(zip(params, history, strict=True))]
+
+
+@pytest.mark.parametrize("vocab", [300, 1000])
+def test_kernel_draws_what_torch_draws(kernel_everywhere, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    history_lists = [(torch.randint(0, vocab, (5,), generator=gen).tolist(),
+                      torch.randint(0, vocab, (i,), generator=gen).tolist()) for i in range(len(PARAMS))]
+    slots = torch.tensor([5, 0, 3, 7, 1, 2, 6, 4], device=DEVICE)
+    drawn = {}
+    for path in ("torch", "kernel"):
+        history = TokenHistory(9, vocab, DEVICE)
+        for slot, (prompt, out) in zip(slots.tolist(), history_lists, strict=True):
+            history.load(slot, prompt, out)
+        sampler = Sampler(seed=3)
+        cols = sampler.columns(_rows(PARAMS, history_lists), vocab, DEVICE)
+        tokens = []
+        for step in range(6):  # draws feed the history the next step reads
+            logits = 2.5 * torch.randn(len(PARAMS), vocab, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+            if path == "torch":
+                seen_counts = history.rows(slots)
+                got = sampler.on_device(logits, cols, seen_counts)
+                history.record(slots, got)
+            else:
+                got = sampler.draw(logits, cols, history, slots)
+            tokens.append(got.tolist())
+        drawn[path] = (tokens, history.seen.clone(), history.counts.clone())
+    assert drawn["kernel"][0] == drawn["torch"][0]
+    assert torch.equal(drawn["kernel"][1], drawn["torch"][1])
+    assert torch.equal(drawn["kernel"][2], drawn["torch"][2])
+
+
+def test_kernel_keeps_exactly_top_k_and_the_top_p_set(kernel_everywhere) -> None:
+    """With distinct logits, top-k keeps the k largest, top-p the shortest prefix of the sorted distribution
+    holding p, and no draw falls outside them (many noise draws per row)."""
+    vocab, draws = 64, 400
+    logits = torch.linspace(-3, 3, vocab)[torch.randperm(vocab, generator=torch.Generator().manual_seed(0))]
+    logits = logits.to(DEVICE).expand(draws, vocab).contiguous()
+    probs = logits[0].softmax(-1)
+    order = probs.argsort(descending=True)
+    mass_before = probs[order].cumsum(0) - probs[order]
+    for top_k, top_p, allowed in ((5, 1.0, set(order[:5].tolist())),
+                                  (vocab, 0.6, set(order[mass_before < 0.6].tolist()))):
+        col = torch.full((draws, 1), 1.0, device=DEVICE)
+        noise = torch.empty(draws, vocab, device=DEVICE).exponential_(generator=torch.Generator(DEVICE).manual_seed(1))
+        got = fused_draw.draw(logits, noise, col, None, col * top_k, col * top_p, col * 0.0, None, None, None, None,
+                              None, None, None, record=False)
+        assert set(got.tolist()) == allowed  # each kept token drawn at least once in 400 draws, no other
+
+
+def test_greedy_rows_take_the_argmax_of_the_penalised_logits(kernel_everywhere) -> None:
+    vocab = 100
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    logits[0, 10], logits[0, 11] = 9.0, 8.0  # 10 repeated: penalised below 11
+    history = TokenHistory(2, vocab, DEVICE)
+    history.load(0, [10], [])
+    sampler = Sampler()
+    rows = [SampleRow(SamplingParams(temperature=0.0, repetition_penalty=2.0), [10], [], None, ()),
+            SampleRow(SamplingParams(temperature=0.0), [], [], None, ())]
+    got = sampler.draw(logits, sampler.columns(rows, vocab, DEVICE), history, torch.tensor([0, 1], device=DEVICE))
+    assert got.tolist() == [11, int(logits[1].argmax())]
+    assert bool(history.seen[0, 11]) and history.counts[0, 11].item() == 1.0  # recorded
