@@ -94,3 +94,26 @@ def test_greedy_rows_take_the_argmax_of_the_penalised_logits(kernel_everywhere) 
     got = sampler.draw(logits, sampler.columns(rows, vocab, DEVICE), history, torch.tensor([0, 1], device=DEVICE))
     assert got.tolist() == [11, int(logits[1].argmax())]
     assert bool(history.seen[0, 11]) and history.counts[0, 11].item() == 1.0  # recorded
+
+
+def test_an_engine_decodes_the_same_tokens_with_the_kernel(tiny_qwen2: str, monkeypatch) -> None:
+    """Sampled decoding with steps in flight (the device draw: penalties from the token history, filters, bans,
+    per-request seeds) gives the same tokens through the kernel as through torch's ops."""
+    from omnistage import Omni
+
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.3,
+                             frequency_penalty=0.2, presence_penalty=0.1, bad_token_ids=[5, 6, 7], ignore_eos=True)
+    params = [sampled.with_overrides(seed=11), sampled.with_overrides(temperature=0.0, top_k=0, seed=12),
+              sampled.with_overrides(top_p=0.3, seed=13)]
+    prompts = ["Once upon a time", "The weather today", "Numbers: 1, 2, 3"]
+    deploy = {"worker_backend": "inline",  # the patched choice holds in this process only
+              "stages": {"lm": {"max_model_len": 128, "overlap_decode": True, "overlap_sampled": True}}}
+    runs, calls = {}, []
+    kernel = fused_draw.draw
+    monkeypatch.setattr(fused_draw, "draw", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    for use_kernel in (False, True):
+        monkeypatch.setattr(fused_draw, "supported", lambda logits, on=use_kernel: on)
+        with Omni(tiny_qwen2, deploy) as omni:
+            runs[use_kernel] = [o.token_ids for o in omni.generate(prompts, params)]
+        assert bool(calls) == use_kernel
+    assert runs[True] == runs[False]
