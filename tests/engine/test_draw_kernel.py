@@ -120,3 +120,35 @@ def test_an_engine_decodes_the_same_tokens_with_the_kernel(tiny_qwen2: str, monk
             runs[use_kernel] = [o.token_ids for o in omni.generate(prompts, params)]
         assert bool(calls) == use_kernel
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_kernel_matches_torch_on_random_settings(kernel_everywhere, trial: int) -> None:
+    """Random vocabularies and settings per row (filters on or off, top-k past the vocabulary, greedy rows, half
+    the vocabulary banned as the talker bans its undecodable ids): the same tokens as torch's draw."""
+    gen = torch.Generator().manual_seed(trial)
+    vocab, rows = int(torch.randint(50, 3000, (1,), generator=gen)), 4
+    params = []
+    for _ in range(rows):
+        r = torch.rand(6, generator=gen).tolist()
+        params.append(SamplingParams(
+            temperature=0.0 if r[0] < 0.15 else 0.3 + r[0], top_k=int(r[1] * vocab * 1.2) if r[1] < 0.8 else 0,
+            top_p=1.0 if r[2] < 0.3 else max(0.05, r[2]), min_p=0.0 if r[3] < 0.5 else 0.3 * r[3],
+            repetition_penalty=1.0 + r[4], frequency_penalty=0.5 * r[5]))
+    banned = tuple(range(vocab // 2, vocab)) if trial % 2 else (1, 2)
+    lists = [(torch.randint(0, vocab, (5,), generator=gen).tolist(),
+              torch.randint(0, vocab, (3,), generator=gen).tolist()) for _ in range(rows)]
+    sample_rows = [SampleRow(p, prompt, out, None, banned) for p, (prompt, out) in zip(params, lists, strict=True)]
+    logits, slots = (3 * torch.randn(rows, vocab, generator=gen)).to(DEVICE), torch.arange(rows, device=DEVICE)
+    drawn = {}
+    for path in ("torch", "kernel"):
+        history = TokenHistory(rows, vocab, DEVICE)
+        for slot, (prompt, out) in enumerate(lists):
+            history.load(slot, prompt, out)
+        sampler = Sampler(seed=trial)
+        cols = sampler.columns(sample_rows, vocab, DEVICE)
+        if path == "torch":
+            drawn[path] = sampler.on_device(logits, cols, history.rows(slots)).tolist()
+        else:
+            drawn[path] = sampler.draw(logits, cols, history, slots).tolist()
+    assert drawn["kernel"] == drawn["torch"]
