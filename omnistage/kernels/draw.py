@@ -129,15 +129,13 @@ def draw(logits: torch.Tensor, noise: torch.Tensor | None, temperature: torch.Te
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     block = triton.next_power_of_2(vocab)
     history = seen if seen is not None else counts
-    any_tensor = logits  # stands in for unused pointers
+
+    def pointer(t: torch.Tensor | None) -> torch.Tensor:
+        return t if t is not None else logits  # an unused pointer (its feature's constexpr is off)
+
     _draw_kernel[(rows,)](
-        logits, noise if noise is not None else any_tensor, out, temperature,
-        greedy if greedy is not None else any_tensor, top_k if top_k is not None else any_tensor,
-        top_p if top_p is not None else any_tensor, min_p if min_p is not None else any_tensor,
-        repetition if repetition is not None else any_tensor, frequency if frequency is not None else any_tensor,
-        presence if presence is not None else any_tensor, ban if ban is not None else any_tensor,
-        seen if seen is not None else any_tensor, counts if counts is not None else any_tensor,
-        slots if slots is not None else any_tensor,
+        logits, pointer(noise), out, temperature, *map(pointer, (greedy, top_k, top_p, min_p, repetition,
+                                                                 frequency, presence, ban, seen, counts, slots)),
         vocab, logits.stride(0), noise.stride(0) if noise is not None else 0,
         ban.stride(0) if ban is not None else 0, history.stride(0) if history is not None else 0,
         ALL_GREEDY=noise is None, FILTER=top_k is not None, REPETITION=repetition is not None,
