@@ -209,15 +209,37 @@ class GcPauses:
                 "full_seconds": round(sum(full), 3)}
 
 
+def request_params(path: Path, thinker_tokens: int, codes: int) -> dict[str, SamplingParams]:
+    """Per-stage sampling of the workload: a greedy reply, the released talker sampling kept on codec ids
+    token2wav can embed."""
+    limit, vocab = codec_limits(path)
+    return {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
+            "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
+                                     ignore_eos=True, bad_token_ids=list(range(limit, vocab)))}
+
+
+def apply_settings(deploy: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Dotted deploy-config fields (`--set stages.token2wav.options.max_window=96`) into `deploy`; without a GPU,
+    stages inline and without device placement."""
+    for key, value in settings.items():
+        *parents, leaf = key.split(".")
+        node = deploy
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    if not torch.cuda.is_available():
+        deploy.update(worker_backend="inline")
+        for stage in deploy["stages"].values():
+            stage.pop("devices", None)
+            stage.pop("gpu_memory_utilization", None)
+
+
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
          backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
          overlap_decode: bool = True, overlap_sampled: bool | None = None, settings: dict[str, Any] | None = None,
          timeline_out: Path | None = None, gc_compare: bool = False, switch_intervals: list[float] = ()) -> None:
-    limit, vocab = codec_limits(path)
-    params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
-              "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
-                                       ignore_eos=True, bad_token_ids=list(range(limit, vocab)))}
+    params = request_params(path, thinker_tokens, codes)
     deploy = yaml.safe_load(DEPLOY.read_text())
     deploy["worker_backend"] = backend
     for name in ("thinker", "talker"):
@@ -229,17 +251,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     if stream_priority != "auto":
         for stage in deploy["stages"].values():
             stage["stream_priority"] = stream_priority
-    for key, value in (settings or {}).items():  # --set stages.token2wav.options.max_window=96
-        *parents, leaf = key.split(".")
-        node = deploy
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    if not torch.cuda.is_available():
-        deploy.update(worker_backend="inline")
-        for stage in deploy["stages"].values():
-            stage.pop("devices", None)
-            stage.pop("gpu_memory_utilization", None)
+    apply_settings(deploy, settings or {})
     started = time.perf_counter()
     engine = AsyncOmni(path, deploy)
     print(f"omnistage ({backend}) up in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 import yaml
-from omni_qwen2_5 import DEPLOY, codec_limits, one_request, write_full_checkpoint
+from omni_qwen2_5 import DEPLOY, apply_settings, one_request, request_params, write_full_checkpoint
 
-from omnistage import AsyncOmni, SamplingParams
+from omnistage import AsyncOmni
 
 SLICE_US = 50_000
 
@@ -129,25 +129,12 @@ def main() -> None:
         path, thinker_tokens, codes = args.checkpoint, 128, 600
         if not (path / "config.json").is_file():
             write_full_checkpoint(path)
-    limit, vocab = codec_limits(path)
-    params = {"thinker": SamplingParams(max_tokens=thinker_tokens, temperature=0, ignore_eos=True),
-              "talker": SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
-                                       ignore_eos=True, bad_token_ids=list(range(limit, vocab)))}
+    params = request_params(path, thinker_tokens, codes)
     deploy = yaml.safe_load(DEPLOY.read_text())
     for name in ("thinker", "talker"):
         deploy["stages"][name].update(max_model_len=2048, max_num_seqs=1)
-    deploy["stages"]["token2wav"].update(max_num_seqs=1, dtype="bfloat16")
-    for key, value in (kv.split("=", 1) for kv in args.set):
-        *parents, leaf = key.split(".")
-        node = deploy
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = yaml.safe_load(value)
-    if not torch.cuda.is_available():
-        deploy["stages"]["token2wav"]["dtype"] = "float32"
-        for stage in deploy["stages"].values():
-            stage.pop("devices", None)
-            stage.pop("gpu_memory_utilization", None)
+    deploy["stages"]["token2wav"].update(max_num_seqs=1, dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    apply_settings(deploy, {key: yaml.safe_load(value) for key, value in (kv.split("=", 1) for kv in args.set)})
     engine = AsyncOmni(path, deploy)
     try:
         for _ in range(2):  # compiled, captured, tuned
