@@ -254,6 +254,7 @@ TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolea
     "num_steps": ("flow-matching ODE steps", 2),
     "tf32": ("true: the float32 DiT's matmuls run on TensorFloat-32 tensor cores (faster, slightly less exact)",
              None),
+    "cublas_sm_carveout": ("SMs the DiT's and vocoder's cuBLAS matmuls leave free for the other stages' kernels", 0),
 }
 
 

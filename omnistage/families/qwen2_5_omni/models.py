@@ -19,6 +19,7 @@ this reproduces stage by stage):
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import math
@@ -251,7 +252,8 @@ class Token2Wav:
                  window: int = 0, first_window: int | None = None, left: int | None = None,
                  right: int | None = None, max_window: int | None = None, vocoder_context: int = 16,
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
-                 use_graphs: bool = True, max_batch: int = 16, tf32: bool = False, kept_context: bool = True):
+                 use_graphs: bool = True, max_batch: int = 16, tf32: bool = False, kept_context: bool = True,
+                 cublas_sm_carveout: int = 0):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
         self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder stays in float32 whatever this is
@@ -279,9 +281,15 @@ class Token2Wav:
             fuse_activations(model.code2wav_bigvgan_model)  # two Triton kernels per anti-aliased activation
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared: graphs replay one at a time
-        self.solve = BatchGraphs(self.solver.solve, max_batch, key_input=1, pool=pool,
-                                 context=tf32_matmuls if tf32 else contextlib.nullcontext)
-        self.vocode = BatchGraphs(self._vocode, max_batch, pool=pool)
+        carveout = functools.partial(cublas_sm_carveout, cublas_sm_carveout if device.type == "cuda" else 0)
+
+        @contextlib.contextmanager
+        def solve_context():
+            with carveout(), (tf32_matmuls() if tf32 else contextlib.nullcontext()):
+                yield
+
+        self.solve = BatchGraphs(self.solver.solve, max_batch, key_input=1, pool=pool, context=solve_context)
+        self.vocode = BatchGraphs(self._vocode, max_batch, pool=pool, context=carveout)
         self.solve_lengths: list[int] = []  # codes per window the solve has graphs for (warm_up)
         self._window_at: dict[int, int] = {}  # _next_window's answers
 
@@ -480,6 +488,22 @@ def tf32_matmuls():
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@contextlib.contextmanager
+def cublas_sm_carveout(sms: int):
+    """cuBLAS matmuls launched (or captured) inside the block use all SMs but `sms` (torch's experimental
+    carveout, a process-wide setting restored after), so the latency-bound kernels of stages sharing the GPU
+    find SMs free while a long solve runs. 0: no change."""
+    if not sms or not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
 
 
 def load_token2wav(path: Path, config: Any, device: torch.device, dit_dtype: torch.dtype = torch.float32
