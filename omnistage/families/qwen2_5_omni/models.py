@@ -281,7 +281,7 @@ class Token2Wav:
             fuse_activations(model.code2wav_bigvgan_model)  # two Triton kernels per anti-aliased activation
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared: graphs replay one at a time
-        carveout = functools.partial(cublas_sm_carveout, cublas_sm_carveout if device.type == "cuda" else 0)
+        carveout = functools.partial(matmul_sm_carveout, cublas_sm_carveout if device.type == "cuda" else 0)
 
         @contextlib.contextmanager
         def solve_context():
@@ -491,7 +491,7 @@ def tf32_matmuls():
 
 
 @contextlib.contextmanager
-def cublas_sm_carveout(sms: int):
+def matmul_sm_carveout(sms: int):
     """cuBLAS matmuls launched (or captured) inside the block use all SMs but `sms` (torch's experimental
     carveout, a process-wide setting restored after), so the latency-bound kernels of stages sharing the GPU
     find SMs free while a long solve runs. 0: no change."""
