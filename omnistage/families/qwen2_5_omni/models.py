@@ -243,6 +243,8 @@ class Token2Wav:
     up to `max_batch`, see BatchGraphs); a shorter window (a request's last) is solved padded to the next
     captured length (the solve never lets real frames see padding), and only its vocoder pass runs eagerly.
     `tf32`: the DiT's float32 matmuls on TensorFloat-32 tensor cores (faster, a little less exact).
+    `cublas_sm_carveout`: SMs the solve's and vocoder's cuBLAS matmuls leave to the other stages (latency for
+    throughput; `matmul_sm_carveout`).
     """
 
     HOP = 240  # waveform samples per mel frame

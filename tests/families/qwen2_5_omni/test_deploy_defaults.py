@@ -56,6 +56,7 @@ def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) 
     ({"max_window": "96"}, "stages.token2wav.options.max_window: expected an integer >= 1, got '96'"),
     ({"num_steps": 1}, "stages.token2wav.options.num_steps: expected an integer >= 2, got 1"),
     ({"tf32": "yes"}, "stages.token2wav.options.tf32: expected true or false, got 'yes'"),
+    ({"cublas_sm_carveout": -8}, "stages.token2wav.options.cublas_sm_carveout: expected an integer >= 0, got -8"),
 ])
 def test_bad_token2wav_options_fail_at_start_up_naming_the_field(tiny_qwen2_5_omni: str, options: dict,
                                                                  message: str) -> None:
@@ -64,6 +65,20 @@ def test_bad_token2wav_options_fail_at_start_up_naming_the_field(tiny_qwen2_5_om
     with pytest.raises(ConfigError) as error:
         build_pipeline(tiny_qwen2_5_omni, {"stages": {"token2wav": {"options": options}}})
     assert message in str(error.value)
+
+
+def test_matmul_sm_carveout_holds_only_inside_its_block() -> None:
+    """token2wav's cublas_sm_carveout: torch's process-wide setting, set around the DiT's and vocoder's calls and
+    graph captures, restored after (also after an error); 0 leaves it alone."""
+    assert torch._C._get_sm_carveout_experimental() is None
+    with models.matmul_sm_carveout(32):
+        assert torch._C._get_sm_carveout_experimental() == 32
+    assert torch._C._get_sm_carveout_experimental() is None
+    with pytest.raises(ValueError), models.matmul_sm_carveout(16):
+        raise ValueError
+    assert torch._C._get_sm_carveout_experimental() is None
+    with models.matmul_sm_carveout(0):
+        assert torch._C._get_sm_carveout_experimental() is None
 
 
 def test_the_talker_never_samples_a_code_token2wav_cannot_decode(tiny_qwen2_5_omni: str) -> None:
