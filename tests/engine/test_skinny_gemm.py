@@ -94,29 +94,3 @@ def test_linear_to_float_rounds_like_the_head_then_float(force_triton, dtype: to
     want = F.linear(x, w).float()
     assert torch.equal(got.to(dtype).float(), got)  # exactly representable in the activations' dtype
     torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("parts", [1, 3])
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("kind", ["linear", "bias", "gate_up"])
-def test_normed_linear_equals_add_rmsnorm_then_the_gemm(force_triton, rows: int, parts: int, with_residual: bool,
-                                                       kind: str) -> None:
-    """The norm inside the GEMM's programs: the same normalised input (so the same product) and the same residual
-    stream as add_rmsnorm followed by the GEMM, from finished rows or a linear's partial sums."""
-    k = 200  # ragged against the tiles, and the norm's block (256) wider than the row
-    x = torch.randn(parts, rows, k, device=DEVICE) if parts > 1 else torch.randn(rows, k, device=DEVICE)
-    residual = torch.randn(rows, k, device=DEVICE) if with_residual else None
-    norm_w = torch.rand(k, device=DEVICE) + 0.5
-    w = torch.randn(2 * 40 if kind == "gate_up" else 72, k, device=DEVICE)
-    bias = torch.randn(72, device=DEVICE) if kind == "bias" else None
-    tiling = skinny.Tiling(block_n=16, block_k=64, splits=1)
-    got, got_summed = skinny.normed_linear(x, skinny.Norm(residual, norm_w, 1e-6), w, bias,
-                                           gate_up=kind == "gate_up", tiling=tiling)
-    normed, summed = fused.add_rmsnorm(x, residual, norm_w, 1e-6)
-    want = skinny.gate_up_silu(normed, w, tiling) if kind == "gate_up" else skinny.linear(normed, w, bias,
-                                                                                           tiling=tiling)
-    _close(got_summed, summed)
-    if parts == 1 and not with_residual:
-        assert got_summed is x  # x itself is the residual stream, as add_rmsnorm returns it
-    _close(got, want)

@@ -4,9 +4,8 @@ The profile of a batch-1 decode step on an H200 showed a fifth of the GPU time i
 kernels between the GEMMs. This forward keeps the weights where transformers put them but runs
 each layer as: add+RMSNorm, one QKV GEMM, rotary fused with the KV-cache write, paged attention,
 O GEMM, add+RMSNorm, one gate-up GEMM, SiLU-mul, down GEMM. Decode batches of ≤ 16 rows on CUDA take
-`skinny_gemm`'s kernels instead of cuBLAS: SiLU-mul inside the gate-up kernel, O and down leave
-split-K partial sums, and each add+RMSNorm (which reduces them) runs inside the programs of the QKV or
-gate-up GEMM after it. Q/K/V (and gate/up) weights are
+`skinny_gemm`'s kernels instead of cuBLAS: SiLU-mul inside the gate-up kernel, and O and down leave
+split-K partial sums that the following add+RMSNorm reduces. Q/K/V (and gate/up) weights are
 concatenated once at load and the original parameters become views of the fused ones, so no memory
 is added and the HF modules still work (the unfused path is used when intermediate hidden states
 are requested).
@@ -81,10 +80,6 @@ class FusedDecoder:
     def _norm(x: torch.Tensor, residual: torch.Tensor | None, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rmsnorm(x, residual, module.weight, module.variance_epsilon)
 
-    @staticmethod
-    def _norm_of(residual: torch.Tensor | None, module: nn.Module) -> skinny_gemm.Norm:
-        return skinny_gemm.Norm(residual, module.weight, module.variance_epsilon)
-
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """hidden: [T, H] input embeddings -> final (normed) hidden states [T, H]."""
         cos, sin = self.decoder.rotary_emb(hidden[None], hf_position_ids(positions))
@@ -92,9 +87,8 @@ class FusedDecoder:
         num_tokens = hidden.shape[0]
         residual = None
         for p in self.layers:
-            # add+RMSNorm inside the QKV and gate-up GEMMs' programs (for decode batches on CUDA; elsewhere its own op)
-            qkv, residual = skinny_gemm.normed_linear(hidden, self._norm_of(residual, p["in_norm"]), p["qkv_w"],
-                                                      p["qkv_b"])
+            x, residual = self._norm(hidden, residual, p["in_norm"])
+            qkv = skinny_gemm.linear(x, p["qkv_w"], p["qkv_b"])
             d = p["head_dim"]
             q, k, v = qkv.split([p["q_size"], p["kv_size"], p["kv_size"]], dim=-1)
             q, k, v = q.view(num_tokens, -1, d), k.view(num_tokens, -1, d), v.view(num_tokens, -1, d)
@@ -105,9 +99,8 @@ class FusedDecoder:
             # q rotated in place on CUDA (strided views of qkv are fine); rotated k and v go straight to the cache
             q = rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, attn.slot_mapping)
             o = paged_attention(p["layer_idx"], q, k, v, attn, p["scaling"], p["sliding_window"], kv_written=True)
-            # o and down may come back as split-K partial sums: the next norm sums them
+            # o and down may come back as split-K partial sums: the next add+RMSNorm sums them
             hidden = skinny_gemm.linear(o.reshape(num_tokens, -1), p["o_w"], p["o_b"], partial=True)
-            act, residual = skinny_gemm.normed_linear(hidden, self._norm_of(residual, p["post_norm"]), p["gate_up_w"],
-                                                      gate_up=True)
-            hidden = skinny_gemm.linear(act, p["down_w"], partial=True)
+            x, residual = self._norm(hidden, residual, p["post_norm"])
+            hidden = skinny_gemm.linear(skinny_gemm.gate_up_silu(x, p["gate_up_w"]), p["down_w"], partial=True)
         return self._norm(hidden, residual, self.decoder.norm)[0]
