@@ -1,0 +1,159 @@
+"""Why Qwen2.5-Omni's talker is slower in the pipeline than alone (on an H200 ~1.45 ms a code after the thinker's
+reply against 1.25 alone, runs 16-17): the talker's milliseconds per code with each neighbour the pipeline gives
+it, added one at a time, each on its own CUDA stream as the inline workers run them (the talker's at high
+priority, token2wav's at normal):
+
+- `alone`: the talker on its high-priority stream, nothing else on the GPU;
+- `token2wav_paced`: token2wav solving a 192-code window (the default steady-state window) every `--pace` seconds
+  on another thread, as the pipeline does while the talker writes those codes;
+- `token2wav_loop`: windows back to back (the worst case);
+- `thinker_idle`: the thinker engine loaded (weights and KV cache resident) but idle, then with `token2wav_paced`.
+
+Each row also reports token2wav's windows (count, median ms) during the talker's run. Options as in
+`omni_qwen2_5.py --set` apply to every stage (`--set stages.token2wav.options.cublas_sm_carveout=32`).
+
+    python benchmarks/talker_interference.py --checkpoint /tmp/omni --out interference.jsonl   # GPU
+    python benchmarks/talker_interference.py --tiny --codes 40                                   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from omni_qwen2_5 import DEPLOY, apply_settings
+from recording import recorder
+from talker_steps import talker_input
+
+from omnistage.config.deploy import load_deploy_config
+from omnistage.engine.types import StageInput
+from omnistage.families.registry import detect_family
+from omnistage.sampling_params import SamplingParams
+
+
+def stream(device: torch.device, high: bool):
+    """A stream like the inline worker's (None on CPU)."""
+    return torch.cuda.Stream(device, priority=-1 if high else 0) if device.type == "cuda" else None
+
+
+def on(s) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+
+
+class WindowLoad:
+    """token2wav solving steady-state windows on its own thread and stream: one every `pace` seconds, or back to
+    back (pace 0), until stopped."""
+
+    def __init__(self, engine, window: int, pace: float, codes_limit: int):
+        decoder = engine.model
+        self.decoder, self.pace = decoder, pace
+        done = decoder.left + window
+        tail = torch.zeros(1, decoder.dit.mel_dim, decoder.vocoder_context, device=decoder.device)
+        self.inputs = lambda: [StageInput("load", [(7 * j) % codes_limit for j in range(done + window + decoder.right)],
+                                          params={"voice": next(iter(decoder.speakers)), "emitted": done,
+                                                  "mel_tail": tail, "seed": 0}, final=False)]
+        self.stream = stream(decoder.device, high=False)
+        self.window_ms: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with on(self.stream), torch.inference_mode():
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                self.decoder.generate(self.inputs())  # audio copied to the host: the window is done
+                self.window_ms.append(1000 * (time.perf_counter() - start))
+                if self.pace:
+                    self._stop.wait(max(0.0, self.pace - (time.perf_counter() - start)))
+
+    def __enter__(self) -> WindowLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def talker_ms_per_code(engine, pipeline, params: SamplingParams, tag: str, s) -> float:
+    """One request's codes after its (whole) reply, decoded on stream `s`: milliseconds per code."""
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    with on(s):
+        engine.add_request(talker_input(pipeline, tag, 156, 128, params))
+        while engine.stats()["num_running"] < 1 or any(q.num_computed < q.num_prompt_tokens
+                                                        for q in engine.seqs.values()):
+            engine.step()  # the prefill (and a first code)
+        sync()
+        drawn, start = 0, time.perf_counter()
+        while engine.has_work():
+            drawn += sum(len(out.token_ids) for out in engine.step())
+        sync()
+    return 1000 * (time.perf_counter() - start) / max(drawn, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--checkpoint", type=Path, help="a full-size checkpoint (omni_qwen2_5.py writes one)")
+    ap.add_argument("--codes", type=int, default=600)
+    ap.add_argument("--pace", type=float, default=0.28, help="seconds between windows in token2wav_paced")
+    ap.add_argument("--window", type=int, default=192)
+    ap.add_argument("--token2wav-dtype", default="bfloat16")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    record = recorder(args.out)
+    if args.tiny:
+        from omnistage.testing import tiny_checkpoint
+
+        path = Path(tiny_checkpoint("qwen2_5_omni"))
+    else:
+        path = args.checkpoint
+        if path is None or not (path / "config.json").is_file():
+            from omni_qwen2_5 import write_full_checkpoint
+
+            path = write_full_checkpoint(path or Path("/tmp/omni"))
+    deploy = yaml.safe_load(DEPLOY.read_text())
+    for name in ("thinker", "talker"):
+        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=1)
+    deploy["stages"]["token2wav"]["dtype"] = args.token2wav_dtype
+    settings = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    apply_settings(deploy, settings)
+    family, info = detect_family(path)
+    pipeline = family.pipeline(info, load_deploy_config(deploy))
+    talker, token2wav = pipeline.build_engine("talker"), pipeline.build_engine("token2wav")
+    params = SamplingParams(max_tokens=args.codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
+                            ignore_eos=True, bad_token_ids=list(pipeline.undecodable_codes))
+    talker_stream = stream(talker.device, high=True)
+    limit = pipeline.config.token2wav_config.dit_config.num_embeds
+    window = min(args.window, token2wav.model.max_window) if token2wav.model.max_window else args.window
+    talker_ms_per_code(talker, pipeline, params, "warm-up", talker_stream)
+
+    def measure(mode: str, pace: float | None) -> None:
+        load = WindowLoad(token2wav, window, pace, limit) if pace is not None else contextlib.nullcontext()
+        with load:
+            ms = talker_ms_per_code(talker, pipeline, params, mode, talker_stream)
+        windows = load.window_ms if pace is not None else []
+        record(part="talker_interference", mode=mode, settings=settings, codes=args.codes, window=window,
+               pace_s=pace, talker_ms_per_code=round(ms, 3), windows=len(windows),
+               window_ms_median=round(statistics.median(windows), 1) if windows else None)
+
+    measure("alone", None)
+    measure("token2wav_paced", args.pace)
+    measure("token2wav_loop", 0.0)
+    measure("alone", None)
+    thinker = pipeline.build_engine("thinker")  # resident, never stepped
+    measure("thinker_idle", None)
+    measure("thinker_idle+token2wav_paced", args.pace)
+    for engine in (talker, thinker):
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
