@@ -218,6 +218,24 @@ def request_params(path: Path, thinker_tokens: int, codes: int) -> dict[str, Sam
                                      ignore_eos=True, bad_token_ids=list(range(limit, vocab)))}
 
 
+def checkpoint_path(tiny: bool, checkpoint: Path | None) -> Path:
+    """The tiny checkpoint (`--tiny`), or the full-size one at `checkpoint` (default /tmp/omni), written there
+    first if it is not there yet."""
+    if tiny:
+        from omnistage.testing import tiny_checkpoint
+
+        return Path(tiny_checkpoint("qwen2_5_omni"))
+    path = Path(checkpoint or "/tmp/omni")
+    if not (path / "config.json").is_file():
+        write_full_checkpoint(path)
+    return path
+
+
+def parse_settings(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items as {dotted deploy-config key: value parsed as YAML}."""
+    return {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in items)}
+
+
 def apply_settings(deploy: dict[str, Any], settings: dict[str, Any]) -> None:
     """Dotted deploy-config fields (`--set stages.token2wav.options.max_window=96`) into `deploy`; without a GPU,
     stages inline and without device placement."""
@@ -393,7 +411,7 @@ def main() -> None:
                      token2wav_dtype=args.token2wav_dtype, tf32=args.tf32, stream_priority=args.stream_priority,
                      profile_dir=args.profile, overlap_decode=not args.no_overlap,
                      overlap_sampled=None if args.overlap_sampled is None else args.overlap_sampled == "on",
-                     settings={k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)},
+                     settings=parse_settings(args.set),
                      timeline_out=args.timeline, gc_compare=args.gc_compare,
                      switch_intervals=[float(x) for x in args.switch_intervals.split(",") if x])
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure

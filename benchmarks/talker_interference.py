@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from omni_qwen2_5 import DEPLOY, apply_settings
+from omni_qwen2_5 import DEPLOY, apply_settings, checkpoint_path, parse_settings
 from recording import recorder
 from talker_steps import talker_input
 
@@ -109,21 +109,12 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     record = recorder(args.out)
-    if args.tiny:
-        from omnistage.testing import tiny_checkpoint
-
-        path = Path(tiny_checkpoint("qwen2_5_omni"))
-    else:
-        path = args.checkpoint
-        if path is None or not (path / "config.json").is_file():
-            from omni_qwen2_5 import write_full_checkpoint
-
-            path = write_full_checkpoint(path or Path("/tmp/omni"))
+    path = checkpoint_path(args.tiny, args.checkpoint)
     deploy = yaml.safe_load(DEPLOY.read_text())
     for name in ("thinker", "talker"):
         deploy["stages"][name].update(max_model_len=2048, max_num_seqs=1)
     deploy["stages"]["token2wav"]["dtype"] = args.token2wav_dtype
-    settings = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    settings = parse_settings(args.set)
     apply_settings(deploy, settings)
     family, info = detect_family(path)
     pipeline = family.pipeline(info, load_deploy_config(deploy))

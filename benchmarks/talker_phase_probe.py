@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from omni_qwen2_5 import DEPLOY, apply_settings, one_request, request_params, write_full_checkpoint
+from omni_qwen2_5 import DEPLOY, apply_settings, one_request, parse_settings, request_params, write_full_checkpoint
 
 from omnistage import AsyncOmni
 
@@ -134,7 +134,7 @@ def main() -> None:
     for name in ("thinker", "talker"):
         deploy["stages"][name].update(max_model_len=2048, max_num_seqs=1)
     deploy["stages"]["token2wav"].update(max_num_seqs=1, dtype="bfloat16" if torch.cuda.is_available() else "float32")
-    apply_settings(deploy, {key: yaml.safe_load(value) for key, value in (kv.split("=", 1) for kv in args.set)})
+    apply_settings(deploy, parse_settings(args.set))
     engine = AsyncOmni(path, deploy)
     try:
         for _ in range(2):  # compiled, captured, tuned

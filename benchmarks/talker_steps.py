@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from omni_qwen2_5 import checkpoint_path
 from recording import recorder
 
 from omnistage.config.deploy import load_deploy_config
@@ -118,16 +119,7 @@ def main() -> None:
 
     record = recorder(args.out)
 
-    if args.tiny:
-        from omnistage.testing import tiny_checkpoint
-
-        path = Path(tiny_checkpoint("qwen2_5_omni"))
-    else:
-        path = args.checkpoint
-        if path is None or not (path / "config.json").is_file():
-            from omni_qwen2_5 import write_full_checkpoint
-
-            path = write_full_checkpoint(path or Path("/tmp/omni"))
+    path = checkpoint_path(args.tiny, args.checkpoint)
     for batch in (int(b) for b in args.batches.split(",")):
         for burst in (int(b) for b in args.bursts.split(",")):
             for overlap_sampled in (True,) if burst > 1 or args.kernel_profile else (False, True):
