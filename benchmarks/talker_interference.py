@@ -6,7 +6,8 @@ priority, token2wav's at normal):
 - `alone`: the talker on its high-priority stream, nothing else on the GPU;
 - `token2wav_paced`: token2wav solving a 192-code window (the default steady-state window) every `--pace` seconds
   on another thread, as the pipeline does while the talker writes those codes;
-- `token2wav_loop`: windows back to back (the worst case);
+- `token2wav_loop`: windows back to back (the worst case); `solve_loop`, `vocoder_loop`: only the windows'
+  flow-matching solves, or only their vocoder passes, back to back;
 - `thinker_idle`: the thinker engine loaded (weights and KV cache resident) but idle, then with `token2wav_paced`.
 
 Each row also reports token2wav's windows (count, median ms) during the talker's run. Options as in
@@ -50,35 +51,46 @@ class WindowLoad:
     """token2wav solving steady-state windows on its own thread and stream: one every `pace` seconds, or back to
     back (pace 0), until stopped."""
 
-    def __init__(self, engine, window: int, pace: float, codes_limit: int):
+    def __init__(self, engine, window: int, pace: float, codes_limit: int, part: str = "window"):
         decoder = engine.model
-        self.decoder, self.pace = decoder, pace
+        self.decoder, self.pace, self.part = decoder, pace, part
         done = decoder.left + window
         tail = torch.zeros(1, decoder.dit.mel_dim, decoder.vocoder_context, device=decoder.device)
         self.inputs = lambda: [StageInput("load", [(7 * j) % codes_limit for j in range(done + window + decoder.right)],
                                           params={"voice": next(iter(decoder.speakers)), "emitted": done,
                                                   "mel_tail": tail, "seed": 0}, final=False)]
+        self.frames = max(frames for _, frames in decoder.window_shapes())  # a steady-state window's vocoder pass
         self.stream = stream(decoder.device, high=False)
         self.window_ms: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        decoder = self.decoder
+        mel = torch.zeros(1, decoder.dit.mel_dim, self.frames, device=decoder.device)
         with on(self.stream), torch.inference_mode():
             while not self._stop.is_set():
                 start = time.perf_counter()
-                self.decoder.generate(self.inputs())  # audio copied to the host: the window is done
+                if self.part == "vocoder":
+                    decoder.vocode(mel).cpu()
+                else:
+                    decoder.generate(self.inputs())  # audio copied to the host: the window is done
                 self.window_ms.append(1000 * (time.perf_counter() - start))
                 if self.pace:
                     self._stop.wait(max(0.0, self.pace - (time.perf_counter() - start)))
 
     def __enter__(self) -> WindowLoad:
+        if self.part == "solve":  # the flow-matching solve only: the vocoder's pass is skipped
+            decoder, self._vocode = self.decoder, self.decoder.vocode
+            decoder.vocode = lambda mel: torch.zeros(mel.shape[0], mel.shape[-1] * decoder.HOP, device=mel.device)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        if self.part == "solve":
+            self.decoder.vocode = self._vocode
 
 
 def talker_ms_per_code(engine, pipeline, params: SamplingParams, tag: str, s) -> float:
@@ -106,8 +118,11 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=192)
     ap.add_argument("--token2wav-dtype", default="bfloat16")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--modes", default="alone,token2wav_paced,token2wav_loop,thinker",
+                    help="which measurements (thinker: thinker_idle and thinker_idle+token2wav_paced)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    modes = args.modes.split(",")
     record = recorder(args.out)
     path = checkpoint_path(args.tiny, args.checkpoint)
     deploy = yaml.safe_load(DEPLOY.read_text())
@@ -127,7 +142,8 @@ def main() -> None:
     talker_ms_per_code(talker, pipeline, params, "warm-up", talker_stream)
 
     def measure(mode: str, pace: float | None) -> None:
-        load = WindowLoad(token2wav, window, pace, limit) if pace is not None else contextlib.nullcontext()
+        part = mode.split("_")[0] if mode.startswith(("solve", "vocoder")) else "window"
+        load = WindowLoad(token2wav, window, pace, limit, part) if pace is not None else contextlib.nullcontext()
         with load:
             ms = talker_ms_per_code(talker, pipeline, params, mode, talker_stream)
         windows = load.window_ms if pace is not None else []
@@ -135,15 +151,16 @@ def main() -> None:
                pace_s=pace, talker_ms_per_code=round(ms, 3), windows=len(windows),
                window_ms_median=round(statistics.median(windows), 1) if windows else None)
 
-    measure("alone", None)
-    measure("token2wav_paced", args.pace)
-    measure("token2wav_loop", 0.0)
-    measure("alone", None)
-    thinker = pipeline.build_engine("thinker")  # resident, never stepped
-    measure("thinker_idle", None)
-    measure("thinker_idle+token2wav_paced", args.pace)
-    for engine in (talker, thinker):
-        engine.shutdown()
+    for mode, pace in (("alone", None), ("token2wav_paced", args.pace), ("token2wav_loop", 0.0),
+                       ("solve_loop", 0.0), ("vocoder_loop", 0.0), ("alone", None)):
+        if mode in modes:
+            measure(mode, pace)
+    if "thinker" in modes:
+        thinker = pipeline.build_engine("thinker")  # resident, never stepped
+        measure("thinker_idle", None)
+        measure("thinker_idle+token2wav_paced", args.pace)
+        thinker.shutdown()
+    talker.shutdown()
 
 
 if __name__ == "__main__":

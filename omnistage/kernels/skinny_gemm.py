@@ -21,6 +21,7 @@ and so, by far, was doing the add+RMSNorm that feeds a GEMM inside its programs:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -37,6 +38,7 @@ except ImportError:  # Triton is needed only on CUDA
     triton = None
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger decode batches go to cuBLAS
+PROGRAMS_PER_SM = int(os.environ.get("OMNISTAGE_SKINNY_PROGRAMS_PER_SM", "1"))  # experiment (run 18)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -130,7 +132,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         x = x.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("skinny_gemm: the weight's rows must be contiguous")
-    t = tiling or choose_tiling(n, k, _sm_count(x.device), gate_up, x.element_size())
+    t = tiling or choose_tiling(n, k, PROGRAMS_PER_SM * _sm_count(x.device), gate_up, x.element_size())
     splits = t.splits if partial else 1
     k_per_split = triton.cdiv(triton.cdiv(k, t.block_k), splits) * t.block_k
     splits = triton.cdiv(k, k_per_split)  # no empty slices

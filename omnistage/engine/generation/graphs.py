@@ -29,11 +29,12 @@ class BatchGraphs:
     `length` is each call's `inputs[key_input].shape[-1]`. One length's graphs read their inputs from one set of
     buffers sized for the largest batch (smaller batches capture views of them: inputs can be large, e.g.
     token2wav's kept contexts). Graphs share one memory pool (`pool`, maybe shared with other BatchGraphs
-    replayed on the same stream) and outputs are copied out before the next replay.
+    replayed on the same stream) and outputs are copied out before the next replay. `context(batch)` is entered
+    around each batch's capture and eager call (settings a graph keeps from its capture, such as a carveout).
     """
 
     def __init__(self, fn: Callable[..., Outputs], max_batch: int, key_input: int = 0,
-                 context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 context: Callable[[int], contextlib.AbstractContextManager] = lambda batch: contextlib.nullcontext(),
                  pool: tuple | None = None):
         self.fn, self.key_input, self.context = fn, key_input, context
         self.batches = [1 << i for i in range(max(1, max_batch).bit_length())]  # 1, 2, 4, ... <= max_batch
@@ -50,7 +51,7 @@ class BatchGraphs:
         try:
             for batch in self.batches:
                 static_inputs = [x[:batch] for x in buffers]
-                with self.context():
+                with self.context(batch):
                     if not self.graphs:
                         self.fn(*static_inputs)  # warm-up outside a capture (lazy initialisation, allocator)
                     graph = torch.cuda.CUDAGraph()
@@ -71,7 +72,7 @@ class BatchGraphs:
     def __call__(self, *inputs: torch.Tensor) -> Outputs:
         batch, length = inputs[self.key_input].shape[0], inputs[self.key_input].shape[-1]
         if (1, length) not in self.graphs:
-            with self.context():
+            with self.context(batch):
                 return self.fn(*inputs)
         outs, at = [], 0
         for size in reversed(self.batches):

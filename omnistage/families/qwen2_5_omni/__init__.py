@@ -254,7 +254,8 @@ TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolea
     "num_steps": ("flow-matching ODE steps", 2),
     "tf32": ("true: the float32 DiT's matmuls run on TensorFloat-32 tensor cores (faster, slightly less exact)",
              None),
-    "cublas_sm_carveout": ("SMs the DiT's and vocoder's cuBLAS matmuls leave free for the other stages' kernels", 0),
+    "cublas_sm_carveout": ("SMs the DiT's cuBLAS matmuls leave free for the other stages' kernels", 0),
+    "carveout_max_batch": ("the largest batch of windows cublas_sm_carveout applies to (default: all)", 1),
 }
 
 

@@ -19,7 +19,6 @@ this reproduces stage by stage):
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import logging
 import math
@@ -243,8 +242,9 @@ class Token2Wav:
     up to `max_batch`, see BatchGraphs); a shorter window (a request's last) is solved padded to the next
     captured length (the solve never lets real frames see padding), and only its vocoder pass runs eagerly.
     `tf32`: the DiT's float32 matmuls on TensorFloat-32 tensor cores (faster, a little less exact).
-    `cublas_sm_carveout`: SMs the solve's and vocoder's cuBLAS matmuls leave to the other stages (latency for
-    throughput; `matmul_sm_carveout`).
+    `cublas_sm_carveout`: SMs the solve's cuBLAS matmuls leave to the other stages (`matmul_sm_carveout`) in
+    batches of up to `carveout_max_batch` windows (None: every batch): latency where few requests speak, with
+    the larger batches of a busy server left at full speed.
     """
 
     HOP = 240  # waveform samples per mel frame
@@ -255,7 +255,7 @@ class Token2Wav:
                  right: int | None = None, max_window: int | None = None, vocoder_context: int = 16,
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
                  use_graphs: bool = True, max_batch: int = 16, tf32: bool = False, kept_context: bool = True,
-                 cublas_sm_carveout: int = 0):
+                 cublas_sm_carveout: int = 0, carveout_max_batch: int | None = None):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
         self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder stays in float32 whatever this is
@@ -283,17 +283,25 @@ class Token2Wav:
             fuse_activations(model.code2wav_bigvgan_model)  # two Triton kernels per anti-aliased activation
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared: graphs replay one at a time
-        carveout = functools.partial(matmul_sm_carveout, cublas_sm_carveout if device.type == "cuda" else 0)
+        self.cublas_sm_carveout = cublas_sm_carveout if device.type == "cuda" else 0
+        self.carveout_max_batch = carveout_max_batch
 
         @contextlib.contextmanager
-        def solve_context():
-            with carveout(), (tf32_matmuls() if tf32 else contextlib.nullcontext()):
+        def solve_context(batch: int):
+            with matmul_sm_carveout(self.carveout_for(batch)), (tf32_matmuls() if tf32 else contextlib.nullcontext()):
                 yield
 
         self.solve = BatchGraphs(self.solver.solve, max_batch, key_input=1, pool=pool, context=solve_context)
-        self.vocode = BatchGraphs(self._vocode, max_batch, pool=pool, context=carveout)
+        # no carveout for the vocoder: its convolutions are cuDNN's, which it does not reach (run 18d)
+        self.vocode = BatchGraphs(self._vocode, max_batch, pool=pool)
         self.solve_lengths: list[int] = []  # codes per window the solve has graphs for (warm_up)
         self._window_at: dict[int, int] = {}  # _next_window's answers
+
+    def carveout_for(self, batch: int) -> int:
+        """SMs a solve of `batch` windows leaves free of its cuBLAS matmuls."""
+        if self.carveout_max_batch is not None and batch > self.carveout_max_batch:
+            return 0
+        return self.cublas_sm_carveout
 
     def warm_up(self) -> None:
         """Capture the solve and vocoder graphs (no-op without graphs): seconds at start-up, none while serving."""

@@ -57,6 +57,7 @@ def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) 
     ({"num_steps": 1}, "stages.token2wav.options.num_steps: expected an integer >= 2, got 1"),
     ({"tf32": "yes"}, "stages.token2wav.options.tf32: expected true or false, got 'yes'"),
     ({"cublas_sm_carveout": -8}, "stages.token2wav.options.cublas_sm_carveout: expected an integer >= 0, got -8"),
+    ({"carveout_max_batch": 0}, "stages.token2wav.options.carveout_max_batch: expected an integer >= 1, got 0"),
 ])
 def test_bad_token2wav_options_fail_at_start_up_naming_the_field(tiny_qwen2_5_omni: str, options: dict,
                                                                  message: str) -> None:
@@ -79,6 +80,32 @@ def test_matmul_sm_carveout_holds_only_inside_its_block() -> None:
     assert torch._C._get_sm_carveout_experimental() is None
     with models.matmul_sm_carveout(0):
         assert torch._C._get_sm_carveout_experimental() is None
+
+
+def test_the_carveout_applies_to_the_solves_of_small_batches_only(tiny_qwen2_5_omni: str) -> None:
+    """carveout_max_batch: the solve's graphs (and eager calls) for batches up to it are made under the carveout,
+    larger ones at full width; without it every batch is. The batch reaches the setting through BatchGraphs."""
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.engine.generation.graphs import BatchGraphs
+
+    path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
+    model = models.load_token2wav(path, Qwen2_5OmniConfig.from_pretrained(path).token2wav_config, cpu)
+    decoder = models.Token2Wav(model, models.load_voices(path), cpu, window=24)
+    decoder.cublas_sm_carveout = 32  # what a CUDA device keeps (on the CPU the carveout is forced to 0)
+    assert [decoder.carveout_for(b) for b in (1, 2, 4, 32)] == [32, 32, 32, 32]
+    decoder.carveout_max_batch = 2
+    assert [decoder.carveout_for(b) for b in (1, 2, 4, 32)] == [32, 32, 0, 0]
+
+    seen = []
+
+    def context(batch: int):
+        seen.append(batch)
+        return models.matmul_sm_carveout(decoder.carveout_for(batch))
+
+    graphs = BatchGraphs(lambda x: x * 2, max_batch=4, context=context)  # nothing captured on the CPU: eager
+    assert graphs(torch.ones(3, 5)).tolist() == [[2.0] * 5] * 3
+    assert seen == [3]
 
 
 def test_the_talker_never_samples_a_code_token2wav_cannot_decode(tiny_qwen2_5_omni: str) -> None:
