@@ -21,7 +21,6 @@ and so, by far, was doing the add+RMSNorm that feeds a GEMM inside its programs:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -38,7 +37,6 @@ except ImportError:  # Triton is needed only on CUDA
     triton = None
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger decode batches go to cuBLAS
-PROGRAMS_PER_SM = int(os.environ.get("OMNISTAGE_SKINNY_PROGRAMS_PER_SM", "1"))  # experiment (run 18)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -111,7 +109,9 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
     program (64 where 32 would leave a second, nearly empty wave), 32 KB of weights per pipeline stage (8 KB
     per matrix for gate-up's two, and for K < 2048, whose few steps pipeline better short), and K split in
     powers of two while the programs still fit one per SM with every slice at least two steps long. More
-    programs than SMs was slower on every split shape: a program's stages in flight keep the memory busy.
+    programs than SMs was slower on every split shape: a program's stages in flight keep the memory busy (and
+    twice or four times the programs, sized for 2 or 4 per SM, slowed the talker alone and beside token2wav
+    alike: 1.287 -> 1.338 / 1.406 ms a code, run 18c).
     From shapes and SM count only, so a CUDA graph captured once stays valid."""
     block_n = 32
     if not gate_up and sms < triton.cdiv(n, block_n) < 2 * sms:
@@ -132,7 +132,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         x = x.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("skinny_gemm: the weight's rows must be contiguous")
-    t = tiling or choose_tiling(n, k, PROGRAMS_PER_SM * _sm_count(x.device), gate_up, x.element_size())
+    t = tiling or choose_tiling(n, k, _sm_count(x.device), gate_up, x.element_size())
     splits = t.splits if partial else 1
     k_per_split = triton.cdiv(triton.cdiv(k, t.block_k), splits) * t.block_k
     splits = triton.cdiv(k, k_per_split)  # no empty slices

@@ -17,7 +17,8 @@ pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchv
 def test_defaults_stream_speech_from_stages_sharing_one_device(tiny_qwen2_5_omni: str) -> None:
     deploy = build_pipeline(tiny_qwen2_5_omni).deploy
     assert deploy.worker_backend == "inline" and deploy.async_chunk
-    assert deploy.stage("token2wav").options == {"window": 48, "max_window": 192}
+    carveout = {"cublas_sm_carveout": 32, "carveout_max_batch": 2}  # small solves leave SMs to the talker
+    assert deploy.stage("token2wav").options == {"window": 48, "max_window": 192, **carveout}
     assert deploy.stage("token2wav").max_num_seqs == 32
     shares = {name: deploy.stage(name).gpu_memory_utilization for name in ("thinker", "talker")}
     assert shares == {"thinker": 0.55, "talker": 0.25}
@@ -27,8 +28,8 @@ def test_defaults_stream_speech_from_stages_sharing_one_device(tiny_qwen2_5_omni
 
     shipped = yaml.safe_load((Path(__file__).parents[3] / "configs" / "qwen2_5_omni" / "1gpu.yaml").read_text())
     assert shipped["worker_backend"] == deploy.worker_backend and shipped["async_chunk"] == deploy.async_chunk
-    assert {k: shipped["stages"]["token2wav"]["options"][k] for k in ("window", "max_window")} == {
-        "window": 48, "max_window": 192}
+    assert {k: shipped["stages"]["token2wav"]["options"][k] for k in ("window", "max_window", *carveout)} == {
+        "window": 48, "max_window": 192, **carveout}
     assert shipped["stages"]["talker"]["overlap_sampled"] and shipped["stages"]["talker"]["decode_burst"] == 8
 
 
@@ -38,7 +39,8 @@ def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) 
     deploy = build_pipeline(tiny_qwen2_5_omni, {"worker_backend": "process",
                                                 "stages": {"token2wav": {"options": {"window": 96}}}}).deploy
     assert deploy.worker_backend == "process"
-    assert deploy.stage("token2wav").options == {"window": 96, "max_window": 192}
+    assert deploy.stage("token2wav").options == {"window": 96, "max_window": 192, "cublas_sm_carveout": 32,
+                                                  "carveout_max_batch": 2}
     from transformers import Qwen2_5OmniConfig
 
     path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
