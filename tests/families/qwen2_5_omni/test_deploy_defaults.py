@@ -71,8 +71,8 @@ def test_bad_token2wav_options_fail_at_start_up_naming_the_field(tiny_qwen2_5_om
 
 
 def test_matmul_sm_carveout_holds_only_inside_its_block() -> None:
-    """token2wav's cublas_sm_carveout: torch's process-wide setting, set around the DiT's and vocoder's calls and
-    graph captures, restored after (also after an error); 0 leaves it alone."""
+    """token2wav's cublas_sm_carveout: torch's process-wide setting, set around the DiT solve's calls and graph
+    captures, restored after (also after an error); 0 leaves it alone."""
     assert torch._C._get_sm_carveout_experimental() is None
     with models.matmul_sm_carveout(32):
         assert torch._C._get_sm_carveout_experimental() == 32
