@@ -87,12 +87,12 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default="", help="comma list of model.op to run, e.g. talker.down")
-    ap.add_argument("--warps", default="4,8", help="num_warps values the sweep tries")
-    ap.add_argument("--stages", default="3,4", help="num_stages values the sweep tries")
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    ap.add_argument("--warps", type=ints, default=[4, 8], help="num_warps values the sweep tries, e.g. 4,8")
+    ap.add_argument("--stages", type=ints, default=[3, 4], help="num_stages values the sweep tries, e.g. 3,4")
     ap.add_argument("--pdl", default="on", help="programmatic dependent launch: on, off or on,off (each timed)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     out = open(args.out, "a") if args.out else None
@@ -115,8 +115,8 @@ def main() -> None:
         if args.sweep:
             splits = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32) if op in ("o", "down") else (1,)  # 9 x 14 tiles of 64: 126 SMs
             results = []
-            for bn, bk, warps, stages, s in itertools.product((16, 32, 64), (128, 256, 512), ints(args.warps),
-                                                              ints(args.stages), splits):
+            for bn, bk, warps, stages, s in itertools.product((16, 32, 64), (128, 256, 512), args.warps,
+                                                              args.stages, splits):
                 if s > 1 and k // (bk * s) < 1:
                     continue
                 t = skinny.Tiling(bn, bk, s, warps, stages)
