@@ -88,6 +88,81 @@ if triton is not None:
                 tl.store(out, acc.to(dtype).to(Y.dtype.element_ty), mask=ok)
 
 
+    @triton.jit
+    def _gated_mlp_kernel(X, WGU, WD, ACC, M, INTER, H, stride_xm, stride_gu, stride_d, stride_acc, slice_len,
+                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        """One program: SiLU(gate) * up for a slice of the intermediate features, then that slice's share of
+        down for every output column, added into ACC as fixed-point integers."""
+        feats = tl.program_id(0) * slice_len + tl.arange(0, BLOCK_S)
+        f_ok = (tl.arange(0, BLOCK_S) < slice_len) & (feats < INTER)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        gate_rows = WGU + feats.to(tl.int64)[:, None] * stride_gu
+        up_rows = gate_rows + INTER.to(tl.int64) * stride_gu  # up's rows sit INTER rows below gate's
+        pdl.wait_for_inputs(PDL)
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < H
+            x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = f_ok[:, None] & k_ok[None, :]
+            acc_gate = tl.dot(x, tl.trans(tl.load(gate_rows + ks[None, :], mask=w_ok, other=0.0)), acc_gate,
+                              input_precision=PRECISION)
+            acc_up = tl.dot(x, tl.trans(tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0)), acc_up,
+                            input_precision=PRECISION)
+        dtype = X.dtype.element_ty  # rounded where F.silu(gate(x)) * up(x) rounds
+        gate = acc_gate.to(dtype).to(tl.float32)
+        h = (gate / (1.0 + tl.exp(-gate))).to(dtype) * acc_up.to(dtype)  # features past the slice: 0
+        for n0 in range(0, H, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            n_ok = ns < H
+            wd = tl.load(WD + ns.to(tl.int64)[:, None] * stride_d + feats[None, :],
+                         mask=n_ok[:, None] & f_ok[None, :], other=0.0)
+            part = tl.dot(h, tl.trans(wd), input_precision=PRECISION)
+            fixed = tl.floor(part * 4294967296.0 + 0.5).to(tl.int64)  # FIXED_POINT_SCALE
+            tl.atomic_add(ACC + m[:, None] * stride_acc + ns[None, :], fixed, mask=m_ok[:, None] & n_ok[None, :],
+                          sem="relaxed")
+        pdl.launch_next(PDL)
+
+
+@dataclass(frozen=True)
+class MlpTiling:
+    """A gated MLP's work split: `slice` intermediate features per program; gate-up read in [slice,
+    block_k] tiles, down in [block_n, slice] tiles."""
+    slice: int = 128
+    block_k: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, acc: torch.Tensor,
+              tiling: MlpTiling | None = None) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) in one kernel: no intermediate activations leave the SMs, and down's share
+    of every program is added into `acc` ([≥ M, H] int64, all zero; fixed point, `fused.FIXED_POINT_SCALE`), whose
+    view [M, H] comes back for `add_rmsnorm` to read and zero again. Integer addition does not depend on the
+    order the programs finish in, so the result is the same bits every time. Elsewhere (CPU, more rows) the
+    finished [M, H] result in x's dtype."""
+    if not _use_triton(x):
+        return F.linear(silu_mul(F.linear(x, gate_up_weight)), down_weight)
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    inter = gate_up_weight.shape[0] // 2
+    t = tiling or MlpTiling()
+    block_s = triton.next_power_of_2(t.slice)
+    _gated_mlp_kernel[(triton.cdiv(inter, t.slice),)](
+        x, gate_up_weight, down_weight, acc, m, inter, k, x.stride(0), gate_up_weight.stride(0),
+        down_weight.stride(0), acc.stride(0), t.slice,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=MAX_ROWS, BLOCK_S=block_s,
+        BLOCK_K=t.block_k, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
+        **pdl.kernel_args(x.device),
+    )
+    return acc[:m]
+
+
 @dataclass(frozen=True)
 class Tiling:
     block_n: int
