@@ -29,14 +29,14 @@ SHAPES = {"talker": (896, 18944), "thinker": (3584, 18944)}  # hidden, intermedi
 CALLS = 24
 
 
-def make_op(path: str, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, down_t: torch.Tensor,
-            acc: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, tiling: skinny.MlpTiling | None):
+def make_op(path: str, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, acc: torch.Tensor,
+            residual: torch.Tensor, norm_w: torch.Tensor, tiling: skinny.MlpTiling | None):
     if path == "cublas":
         return lambda: add_rmsnorm(F.linear(silu_mul(F.linear(x, gate_up)), down), residual, norm_w, 1e-6)
     if path == "two_kernels":
         return lambda: add_rmsnorm(skinny.linear(skinny.gate_up_silu(x, gate_up), down, partial=True), residual,
                                    norm_w, 1e-6)
-    return lambda: add_rmsnorm(skinny.gated_mlp(x, gate_up, down_t, acc, tiling), residual, norm_w, 1e-6)
+    return lambda: add_rmsnorm(skinny.gated_mlp(x, gate_up, down, acc, tiling), residual, norm_w, 1e-6)
 
 
 def main() -> None:
@@ -44,8 +44,6 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--only", default="talker,thinker")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--tiling", type=lambda text: skinny.MlpTiling(*(int(v) for v in text.split(","))),
-                    help="the one kernel's MlpTiling fields, comma-separated (default: the built-in choice)")
     ap.add_argument("--out")
     args = ap.parse_args()
     out = open(args.out, "a") if args.out else None
@@ -66,11 +64,8 @@ def run_model(model: str, args: argparse.Namespace, emit) -> None:
     hidden, inter = SHAPES[model]
     size = 3 * hidden * inter * 2
     copies = min(CALLS, max(2, -(-300_000_000 // size)))
-    weights = []
-    for _ in range(copies):
-        down = torch.randn(hidden, inter, device=dev, dtype=torch.bfloat16) * 0.02
-        weights.append((torch.randn(2 * inter, hidden, device=dev, dtype=torch.bfloat16) * 0.02, down,
-                        down.t().contiguous()))
+    weights = [(torch.randn(2 * inter, hidden, device=dev, dtype=torch.bfloat16) * 0.02,
+                torch.randn(hidden, inter, device=dev, dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
     acc = torch.zeros(skinny.MAX_ROWS, hidden, dtype=torch.int64, device=dev)
     norm_w = torch.ones(hidden, device=dev, dtype=torch.bfloat16)
 
@@ -83,11 +78,8 @@ def run_model(model: str, args: argparse.Namespace, emit) -> None:
     best = None
     if args.sweep:
         results = []
-        grid = [skinny.MlpTiling(sl, 16, 0, 0, w, st) for sl, w, st in itertools.product((64, 80, 144, 288), (4, 8),
-                                                                                          (1, 2))]
-        grid += [skinny.MlpTiling(sl, 32, 0, 0, w, 1) for sl, w in itertools.product((96, 160, 288), (4, 8))]
-        grid += [skinny.MlpTiling(128, 0, 64, 128, 4, 3), skinny.MlpTiling(256, 0, 64, 128, 8, 3)]
-        for t in grid:
+        for sl, bk, bn, warps, stages in itertools.product((64, 128, 256), (64, 128), (64, 128), (4, 8), (2, 3)):
+            t = skinny.MlpTiling(sl, bk, bn, warps, stages)
             try:
                 us = timed("one_kernel", 1, t)
             except Exception as exc:  # past the shared memory, say
@@ -101,13 +93,13 @@ def run_model(model: str, args: argparse.Namespace, emit) -> None:
     for m in (int(r) for r in args.rows.split(",")):
         row = {"model": model, "rows": m, "weight_mb": round(size / 1e6, 1)}
         for path in ("cublas", "two_kernels", "one_kernel"):
-            row[f"{path}_us"] = round(timed(path, m, args.tiling), 2)
+            row[f"{path}_us"] = round(timed(path, m), 2)
         if best is not None:
             row["best"], row["best_us"] = best.__dict__, round(timed("one_kernel", m, best), 2)
         x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
         residual = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
         want = make_op("cublas", x, *weights[0], acc, residual, norm_w, None)()[1].float()
-        got = make_op("one_kernel", x, *weights[0], acc, residual, norm_w, best or args.tiling)()[1].float()
+        got = make_op("one_kernel", x, *weights[0], acc, residual, norm_w, best)()[1].float()
         row["rel_err"] = round(((got - want).abs().max() / want.abs().max()).item(), 5)
         row["tb_s"] = round(size / row["one_kernel_us"] / 1e6, 2)
         emit(row)

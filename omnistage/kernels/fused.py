@@ -58,11 +58,7 @@ if triton is not None:
         x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
         if FIXED:  # an int64 fixed-point sum (FIXED_POINT_SCALE), zeroed for its next use once read
             tl.store(X + row * stride_x + cols, tl.zeros([BLOCK], dtype=tl.int64), mask=ok)
-            # in three pieces of < 2^31: the int64 -> float32 conversion was wrong past 2^31 on an H200
-            hi = (x >> 32).to(tl.int32).to(tl.float32)
-            mid = ((x >> 16) & 0xFFFF).to(tl.int32).to(tl.float32)
-            lo = (x & 0xFFFF).to(tl.int32).to(tl.float32)
-            x = (hi + (mid + lo * (1.0 / 65536.0)) * (1.0 / 65536.0)).to(Y.dtype.element_ty)
+            x = (x.to(tl.float32) * (1.0 / 4294967296.0)).to(Y.dtype.element_ty)
         if PARTS > 1:  # a linear's fp32 partial sums over slices of K: summed in order, rounded once
             for p in tl.static_range(1, PARTS):
                 x += tl.load(X + p * stride_xp + row * stride_x + cols, mask=ok, other=0.0)

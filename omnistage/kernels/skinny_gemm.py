@@ -89,18 +89,11 @@ if triton is not None:
 
 
     @triton.jit
-    def _fixed_point_add(ACC, stride_acc, part, m, m_ok, ns, n_ok):
-        fixed = tl.floor(part * 4294967296.0 + 0.5).to(tl.int64)  # fused.FIXED_POINT_SCALE
-        tl.atomic_add(ACC + m[:, None] * stride_acc + ns[None, :], fixed, mask=m_ok[:, None] & n_ok[None, :],
-                      sem="relaxed")
-
-    @triton.jit
-    def _gated_mlp_phases_kernel(X, WGU, WD, ACC, M, INTER, H, stride_xm, stride_gu, stride_df, stride_dn,
-                                 stride_acc, slice_len, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 PDL: tl.constexpr):
-        """One program: SiLU(gate) * up for a slice of the intermediate features (a loop over K), then that
-        slice's share of down for every output column (a loop over N), added into ACC in fixed point."""
+    def _gated_mlp_kernel(X, WGU, WD, ACC, M, INTER, H, stride_xm, stride_gu, stride_d, stride_acc, slice_len,
+                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        """One program: SiLU(gate) * up for a slice of the intermediate features, then that slice's share of
+        down for every output column, added into ACC as fixed-point integers."""
         feats = tl.program_id(0) * slice_len + tl.arange(0, BLOCK_S)
         f_ok = (tl.arange(0, BLOCK_S) < slice_len) & (feats < INTER)
         m = tl.arange(0, BLOCK_M)
@@ -125,81 +118,48 @@ if triton is not None:
         for n0 in range(0, H, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
             n_ok = ns < H
-            wd = tl.load(WD + ns.to(tl.int64)[:, None] * stride_dn + feats.to(tl.int64)[None, :] * stride_df,
+            wd = tl.load(WD + ns.to(tl.int64)[:, None] * stride_d + feats[None, :],
                          mask=n_ok[:, None] & f_ok[None, :], other=0.0)
-            _fixed_point_add(ACC, stride_acc, tl.dot(h, tl.trans(wd), input_precision=PRECISION), m, m_ok, ns, n_ok)
+            part = tl.dot(h, tl.trans(wd), input_precision=PRECISION)
+            fixed = tl.floor(part * 4294967296.0 + 0.5).to(tl.int64)  # FIXED_POINT_SCALE
+            tl.atomic_add(ACC + m[:, None] * stride_acc + ns[None, :], fixed, mask=m_ok[:, None] & n_ok[None, :],
+                          sem="relaxed")
         pdl.launch_next(PDL)
-
-    @triton.jit
-    def _gated_mlp_rows_kernel(X, WGU, WD, ACC, M, INTER, H, stride_xm, stride_gu, stride_df, stride_dn,
-                               stride_acc, slice_len, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-        """One program, one loop over its slice of the intermediate features, BLOCK_F at a time: their gate,
-        up and down rows (all H columns of each) in one pipeline stage; down's share of the whole slice held
-        in registers and added into ACC in fixed point at the end."""
-        f_begin = tl.program_id(0) * slice_len
-        f_end = tl.minimum(f_begin + slice_len, INTER)
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < M
-        hs = tl.arange(0, BLOCK_H)
-        h_ok = hs < H
-        pdl.wait_for_inputs(PDL)
-        x = tl.load(X + m[:, None] * stride_xm + hs[None, :], mask=m_ok[:, None] & h_ok[None, :], other=0.0)
-        dtype = X.dtype.element_ty
-        out = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        for f0 in range(f_begin, f_end, BLOCK_F):
-            fs = f0 + tl.arange(0, BLOCK_F)
-            w_ok = (fs < f_end)[:, None] & h_ok[None, :]
-            rows = WGU + fs.to(tl.int64)[:, None] * stride_gu + hs[None, :]
-            gate = tl.dot(x, tl.trans(tl.load(rows, mask=w_ok, other=0.0)), input_precision=PRECISION)
-            up = tl.dot(x, tl.trans(tl.load(rows + INTER.to(tl.int64) * stride_gu, mask=w_ok, other=0.0)),
-                        input_precision=PRECISION)
-            wd = tl.load(WD + fs.to(tl.int64)[:, None] * stride_df + hs[None, :] * stride_dn, mask=w_ok, other=0.0)
-            gate = gate.to(dtype).to(tl.float32)  # rounded where F.silu(gate(x)) * up(x) rounds
-            h = (gate / (1.0 + tl.exp(-gate))).to(dtype) * up.to(dtype)
-            out = tl.dot(h, wd, out, input_precision=PRECISION)
-        pdl.launch_next(PDL)
-        _fixed_point_add(ACC, stride_acc, out, m, m_ok, hs, h_ok)
 
 
 @dataclass(frozen=True)
 class MlpTiling:
-    """A gated MLP's work split: `slice` intermediate features per program. `block_f` > 0: one loop over them,
-    `block_f` at a time with all of H; else two loops, gate-up in [slice, block_k] tiles, then down in
-    [block_n, slice] tiles."""
-    slice: int = 144
-    block_f: int = 16
+    """A gated MLP's work split: `slice` intermediate features per program; gate-up read in [slice,
+    block_k] tiles, down in [block_n, slice] tiles."""
+    slice: int = 128
     block_k: int = 64
     block_n: int = 64
-    num_warps: int = 8
-    num_stages: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
 
 
-def gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight_t: torch.Tensor, acc: torch.Tensor,
+def gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, acc: torch.Tensor,
               tiling: MlpTiling | None = None) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) in one kernel, with down's weight given transposed ([I, H]: a feature's
-    down column is a contiguous row): no intermediate activations leave the SMs, and each program's share of
-    down is added into `acc` ([≥ M, H] int64, all zero; fixed point, `fused.FIXED_POINT_SCALE`), whose view
-    [M, H] comes back for `add_rmsnorm` to read and zero again. Integer addition does not depend on the order
-    the programs finish in, so the result is the same bits every time. Elsewhere (CPU, more rows) the
+    """down(silu(gate(x)) * up(x)) in one kernel: no intermediate activations leave the SMs, and down's share
+    of every program is added into `acc` ([≥ M, H] int64, all zero; fixed point, `fused.FIXED_POINT_SCALE`), whose
+    view [M, H] comes back for `add_rmsnorm` to read and zero again. Integer addition does not depend on the
+    order the programs finish in, so the result is the same bits every time. Elsewhere (CPU, more rows) the
     finished [M, H] result in x's dtype."""
     if not _use_triton(x):
-        return F.linear(silu_mul(F.linear(x, gate_up_weight)), down_weight_t.t())
+        return F.linear(silu_mul(F.linear(x, gate_up_weight)), down_weight)
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     inter = gate_up_weight.shape[0] // 2
     t = tiling or MlpTiling()
-    common = (x, gate_up_weight, down_weight_t, acc, m, inter, k, x.stride(0), gate_up_weight.stride(0),
-              down_weight_t.stride(0), down_weight_t.stride(1), acc.stride(0), t.slice)
-    options = dict(PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=MAX_ROWS,
-                   num_warps=t.num_warps, num_stages=t.num_stages, **pdl.kernel_args(x.device))
-    grid = (triton.cdiv(inter, t.slice),)
-    if t.block_f:
-        _gated_mlp_rows_kernel[grid](*common, BLOCK_F=t.block_f, BLOCK_H=triton.next_power_of_2(k), **options)
-    else:
-        _gated_mlp_phases_kernel[grid](*common, BLOCK_S=triton.next_power_of_2(t.slice), BLOCK_K=t.block_k,
-                                       BLOCK_N=t.block_n, **options)
+    block_s = triton.next_power_of_2(t.slice)
+    _gated_mlp_kernel[(triton.cdiv(inter, t.slice),)](
+        x, gate_up_weight, down_weight, acc, m, inter, k, x.stride(0), gate_up_weight.stride(0),
+        down_weight.stride(0), acc.stride(0), t.slice,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=MAX_ROWS, BLOCK_S=block_s,
+        BLOCK_K=t.block_k, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
+        **pdl.kernel_args(x.device),
+    )
     return acc[:m]
 
 
