@@ -26,11 +26,6 @@ def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-# A linear's result summed by integer atomics across programs (`skinny_gemm.gated_mlp`): fp32 values times
-# 2^32, rounded to int64. Exact for |sums| < 2^31; each program's share is off by at most 2^-33.
-FIXED_POINT_SCALE = 2.0**32
-
-
 def sum_partials(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A linear's result from either form: [M, N] as is, or partials [splits, M, N] summed in order."""
     if y.dim() == 2:
@@ -48,7 +43,7 @@ if triton is not None:
     @triton.jit
     def _add_rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_xp, stride_x, stride_r, stride_y, n_cols, eps,
                             HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr, PARTS: tl.constexpr,
-                            FIXED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -56,9 +51,6 @@ if triton is not None:
         pdl.wait_for_inputs(PDL)
         pdl.launch_next(PDL)
         x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
-        if FIXED:  # an int64 fixed-point sum (FIXED_POINT_SCALE), zeroed for its next use once read
-            tl.store(X + row * stride_x + cols, tl.zeros([BLOCK], dtype=tl.int64), mask=ok)
-            x = (x.to(tl.float32) * (1.0 / 4294967296.0)).to(Y.dtype.element_ty)
         if PARTS > 1:  # a linear's fp32 partial sums over slices of K: summed in order, rounded once
             for p in tl.static_range(1, PARTS):
                 x += tl.load(X + p * stride_xp + row * stride_x + cols, mask=ok, other=0.0)
@@ -77,12 +69,8 @@ def add_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rmsnorm(x + residual) * weight, x + residual); with no residual, x is the residual.
     Works on the last dimension of a 2-D tensor. x may also be a linear's fp32 partial sums [splits, T, H]
-    (`skinny_gemm.linear(partial=True)`), summed and rounded to the residual's (or weight's) dtype, or an int64
-    fixed-point sum (`skinny_gemm.gated_mlp`), converted likewise and zeroed in place."""
+    (`skinny_gemm.linear(partial=True)`); they are summed and rounded to the residual's (or weight's) dtype."""
     dtype = residual.dtype if residual is not None else weight.dtype
-    fixed = x.dtype == torch.int64
-    if fixed and not _use_triton(x):
-        x, _ = (x.double() / FIXED_POINT_SCALE).float().to(dtype), x.zero_()
     if not _use_triton(x):
         x = sum_partials(x, dtype)
         summed = x if residual is None else x + residual
@@ -90,13 +78,13 @@ def add_rmsnorm(
         return weight * normed.to(x.dtype), summed
     parts = x.shape[0] if x.dim() == 3 else 1
     rows, n_cols = x.shape[-2], x.shape[-1]
-    out = torch.empty(rows, n_cols, dtype=dtype if parts > 1 or fixed else x.dtype, device=x.device)
-    store_sum = residual is not None or parts > 1 or fixed
+    out = torch.empty(rows, n_cols, dtype=dtype if parts > 1 else x.dtype, device=x.device)
+    store_sum = residual is not None or parts > 1
     res_out = torch.empty_like(out) if store_sum else x
     _add_rmsnorm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, res_out,
         x.stride(0) if parts > 1 else 0, x.stride(-2), residual.stride(0) if residual is not None else 0,
-        out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, STORE_SUM=store_sum, PARTS=parts, FIXED=fixed,
+        out.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None, STORE_SUM=store_sum, PARTS=parts,
         BLOCK=triton.next_power_of_2(n_cols), num_warps=8 if n_cols > 2048 else 4, **pdl.kernel_args(x.device),
     )
     return out, res_out
