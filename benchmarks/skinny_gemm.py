@@ -6,7 +6,9 @@ projection (+bias) and both LM heads (logits handed on as float32).
 Weights are cycled over enough copies to exceed the L2 cache (a decode step never finds a layer's weights
 there), and each measurement is a CUDA graph of 24 calls replayed, as a decode step runs. `--sweep` times
 every tiling of a grid at M=1 and reports the best beside the built-in choice (`choose_tiling`). `--pdl on,off`
-times the Triton kernels with and without programmatic dependent launch (omnistage/kernels/pdl.py).
+times the Triton kernels with and without programmatic dependent launch (omnistage/kernels/pdl.py). For K up to
+`PRELOAD_MAX_K` the sweep adds tilings that read a program's whole slice of K before the PDL wait
+(`--preload-only`: only those); OMNISTAGE_SKINNY_PRELOAD=0 makes the built-in choice the K loop again.
 
     python benchmarks/skinny_gemm.py --out skinny.jsonl            # GPU: built-in choice vs cuBLAS, M=1,2,4,8,16
     python benchmarks/skinny_gemm.py --sweep --out sweep.jsonl     # GPU: also the tiling grid at M=1
@@ -90,6 +92,7 @@ def main() -> None:
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     ap.add_argument("--warps", type=ints, default=[4, 8], help="num_warps values the sweep tries, e.g. 4,8")
     ap.add_argument("--stages", type=ints, default=[3, 4], help="num_stages values the sweep tries, e.g. 3,4")
+    ap.add_argument("--preload-only", action="store_true", help="sweep only preloaded tilings where K allows them")
     ap.add_argument("--pdl", default="on", help="programmatic dependent launch: on, off or on,off (each timed)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -115,11 +118,13 @@ def main() -> None:
         if args.sweep:
             splits = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32) if op in ("o", "down") else (1,)  # 9 x 14 tiles of 64: 126 SMs
             results = []
-            for bn, bk, warps, stages, s in itertools.product((16, 32, 64), (128, 256, 512), args.warps,
-                                                              args.stages, splits):
-                if s > 1 and k // (bk * s) < 1:
-                    continue
-                t = skinny.Tiling(bn, bk, s, warps, stages)
+            grid = [skinny.Tiling(bn, bk, s, warps, stages) for bn, bk, warps, stages, s in itertools.product(
+                (16, 32, 64), (128, 256, 512), args.warps, args.stages, splits) if s == 1 or k // (bk * s) >= 1]
+            if k <= skinny.PRELOAD_MAX_K and op != "gate_up":  # whole slices read before the wait
+                grid = [t for t in grid if not args.preload_only] + [
+                    skinny.Tiling(bn, max(16, 1 << (-(-k // s) - 1).bit_length()), s, warps, 1, preload=True)
+                    for bn, s, warps in itertools.product((16, 32, 64), (1, 2, 4), args.warps)]
+            for t in grid:
                 try:
                     us = time_op(op, n, k, bias, 1, t, weights)
                 except Exception as exc:  # a tiling past the shared memory, say

@@ -21,6 +21,7 @@ and so, by far, was doing the add+RMSNorm that feeds a GEMM inside its programs:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -37,6 +38,10 @@ except ImportError:  # Triton is needed only on CUDA
     triton = None
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger decode batches go to cuBLAS
+# Weights with K up to this many columns are read whole, one tile per program, before the PDL wait
+# (OMNISTAGE_SKINNY_PRELOAD=0: the K loop after the wait, as for larger K; for comparisons).
+PRELOAD = os.environ.get("OMNISTAGE_SKINNY_PRELOAD", "1") != "0"
+PRELOAD_MAX_K = 1024
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -49,7 +54,7 @@ if triton is not None:
     def _skinny_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, k_per_split,
                             HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
         pid_n, split = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -57,20 +62,29 @@ if triton is not None:
         w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
         k_begin = split * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
-        pdl.wait_for_inputs(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GATE_UP:  # up's rows sit N rows below gate's
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
+        if PRELOAD:  # the program's whole slice of K is one tile, read before the wait (weights are never written)
+            ks = k_begin + tl.arange(0, BLOCK_K)
             k_ok = ks < k_end
+            w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            pdl.wait_for_inputs(PDL)
             x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w_ok = row_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-            if GATE_UP:
-                w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_ok, other=0.0)
-                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+        else:
+            pdl.wait_for_inputs(PDL)
+            for k0 in range(k_begin, k_end, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < k_end
+                x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                w_ok = row_ok[:, None] & k_ok[None, :]
+                w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+                if GATE_UP:
+                    w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_ok, other=0.0)
+                    acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
         pdl.launch_next(PDL)
         out = Y + split * stride_ys + m[:, None] * stride_ym + rows[None, :]
         ok = m_ok[:, None] & row_ok[None, :]
@@ -95,6 +109,7 @@ class Tiling:
     splits: int
     num_warps: int = 4
     num_stages: int = 4
+    preload: bool = False  # one K tile per program (block_k covers its slice), read before the PDL wait
 
 
 @cache
@@ -122,6 +137,10 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
     splits = 1
     while row_tiles * splits * 2 <= sms and k_steps >= 4 * splits:
         splits *= 2
+    if PRELOAD and not gate_up and k <= PRELOAD_MAX_K:
+        block_k = triton.next_power_of_2(triton.cdiv(k, splits))
+        return Tiling(block_n, block_k, splits, num_warps=8 if block_n * block_k * elem_bytes > 32768 else 4,
+                      num_stages=1, preload=True)
     return Tiling(block_n, block_k, splits, num_warps=4, num_stages=3 if gate_up else 4)
 
 
@@ -133,8 +152,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     if weight.stride(1) != 1:
         raise ValueError("skinny_gemm: the weight's rows must be contiguous")
     t = tiling or choose_tiling(n, k, _sm_count(x.device), gate_up, x.element_size())
+    if t.preload and gate_up:
+        raise ValueError("skinny_gemm: no preloaded tiles for gate-up weights")
     splits = t.splits if partial else 1
-    k_per_split = triton.cdiv(triton.cdiv(k, t.block_k), splits) * t.block_k
+    block_k, num_warps = t.block_k, t.num_warps
+    if t.preload and block_k * splits < k:  # fewer slices than the tiling's (a bias, say): a wider tile
+        block_k = triton.next_power_of_2(triton.cdiv(k, splits))
+        num_warps = 8 if t.block_n * block_k * x.element_size() > 32768 else num_warps
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
     splits = triton.cdiv(k, k_per_split)  # no empty slices
     partial = splits > 1
     if partial:
@@ -144,9 +169,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
         m * n if partial else 0, n, k_per_split,
-        HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial,
+        HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial, PRELOAD=t.preload,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=t.num_stages,
         **pdl.kernel_args(x.device),
     )
     return y

@@ -74,14 +74,36 @@ def test_a_row_does_not_depend_on_its_batch(force_triton) -> None:
                        skinny.linear(x, w, partial=True, tiling=tiling)[:, 0])
 
 
-def test_choose_tiling() -> None:
+def test_choose_tiling(monkeypatch) -> None:
     # what the sweep found best on an H200 (132 SMs), bf16
     assert skinny.choose_tiling(896, 18944, sms=132) == skinny.Tiling(32, 512, 4, 4, 4)  # talker down: split K
     assert skinny.choose_tiling(3584, 18944, sms=132).splits == 1  # thinker down: 112 row tiles already
     assert skinny.choose_tiling(18944, 896, sms=132, gate_up=True) == skinny.Tiling(32, 128, 1, 4, 3)
-    assert skinny.choose_tiling(896, 896, sms=132) == skinny.Tiling(32, 128, 2, 4, 4)  # talker o: 7 steps of K
+    # talker o: 7 steps of K in 2 slices, each read whole before the PDL wait
+    assert skinny.choose_tiling(896, 896, sms=132) == skinny.Tiling(32, 512, 2, 4, 1, preload=True)
+    # talker qkv: the same (its bias keeps K whole at launch: one 1024-wide tile)
+    assert skinny.choose_tiling(1152, 896, sms=132) == skinny.Tiling(32, 512, 2, 4, 1, preload=True)
     # float32 (the GPU tests' tiny models): the same bytes per stage, so shared memory still suffices
     assert skinny.choose_tiling(896, 18944, sms=132, elem_bytes=4).block_k == 256
+    monkeypatch.setattr(skinny, "PRELOAD", False)  # OMNISTAGE_SKINNY_PRELOAD=0: the K loop
+    assert skinny.choose_tiling(896, 896, sms=132) == skinny.Tiling(32, 128, 2, 4, 4)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("partial", [False, True])
+def test_preloaded_tiles(force_triton, rows: int, partial: bool) -> None:
+    """One tile per program's slice of K, read before the wait: the same result as the K loop; a bias (no
+    split) widens the tile to the whole K; and a row still does not depend on its batch."""
+    x, w = torch.randn(rows, 200, device=DEVICE), torch.randn(72, 200, device=DEVICE)
+    tiling = skinny.Tiling(block_n=32, block_k=128, splits=2, num_stages=1, preload=True)
+    got = fused.sum_partials(skinny.linear(x, w, partial=partial, tiling=tiling), x.dtype)
+    _close(got, F.linear(x, w))
+    b = torch.randn(72, device=DEVICE)
+    _close(skinny.linear(x, w, b, partial=partial, tiling=tiling), F.linear(x, w, b))
+    assert torch.equal(skinny.linear(x[:1], w, partial=True, tiling=tiling)[..., 0, :],
+                       skinny.linear(x, w, partial=True, tiling=tiling)[..., 0, :])
+    with pytest.raises(ValueError, match="gate-up"):
+        skinny.gate_up_silu(x, torch.randn(2 * 36, 200, device=DEVICE), tiling=tiling)
 
 
 # bfloat16 only on a GPU: Triton's interpreter computes bfloat16 dots wrongly
