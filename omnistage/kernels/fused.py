@@ -134,14 +134,15 @@ if triton is not None:
                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                                 stride_ct, stride_ch, stride_c, n_q_heads, n_k_heads,
                                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-        """One token: q rotated in place; rotated k and plain v stored at its cache slot."""
-        pdl.wait_for_inputs(PDL)
-        pdl.launch_next(PDL)
+        """One token: q rotated in place; rotated k and plain v stored at its cache slot. The tables and the
+        slot are read before the PDL wait: kernels that finished before this one launched wrote them."""
         tok = tl.program_id(0).to(tl.int64)
         cos1, cos2, sin1, sin2 = _load_cos_sin(COS, SIN, tok, stride_c, HALF)
+        slot = tl.load(SLOTS + tok).to(tl.int64) * stride_ct
+        pdl.wait_for_inputs(PDL)
+        pdl.launch_next(PDL)
         q = Q + tok * stride_qt
         _rotate_heads(q, q, stride_qh, stride_qh, n_q_heads, cos1, cos2, sin1, sin2, HALF, BLOCK_H)
-        slot = tl.load(SLOTS + tok).to(tl.int64) * stride_ct
         _rotate_heads(K + tok * stride_kt, KC + slot, stride_kh, stride_ch, n_k_heads,
                       cos1, cos2, sin1, sin2, HALF, BLOCK_H)
         heads = tl.arange(0, BLOCK_H)[:, None]

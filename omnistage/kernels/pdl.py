@@ -7,10 +7,13 @@ earlier kernel wrote, so its launch overlaps the previous kernel's tail (on an H
 1.33 ms, one Qwen2.5-Omni request 1.49 -> 1.39 s; benchmarks/results/omni_qwen2_5.md, run 15).
 
 The rule every kernel launched with `launch_pdl` follows: call `wait_for_inputs(PDL)` before any load or
-store of activations, caches or metadata; only reads of never-written data (weights) may come before it.
-`launch_next(PDL)` says when the next kernel may launch: early in a short kernel, after the main loop in a
-long one. A kernel that follows one launched without PDL (torch's, cuBLAS's) finds its wait already met.
-Reading a GEMM's weights before the wait (into L2, or its first tile into registers) was slower there.
+store of what the previous kernel may write; `launch_next(PDL)` only after it, early in a short kernel, after
+the main loop in a long one. So when a kernel launches, every kernel before the previous one has finished and
+its writes are visible: weights, the step's metadata and tables, and cache entries of earlier steps may be
+read before the wait (small GEMMs' whole weight tiles, decode attention's older keys), never the previous
+kernel's outputs. A kernel that follows one launched without PDL (torch's, cuBLAS's) finds its wait already
+met. Reading a large GEMM's weights before the wait (into L2, or its first tile of a K loop into registers)
+was slower there; reading a small one's whole tile was faster (run 19).
 Off on CPU, before Hopper, and with OMNISTAGE_PDL=0.
 """
 

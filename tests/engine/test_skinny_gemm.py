@@ -79,10 +79,10 @@ def test_choose_tiling(monkeypatch) -> None:
     assert skinny.choose_tiling(896, 18944, sms=132) == skinny.Tiling(32, 512, 4, 4, 4)  # talker down: split K
     assert skinny.choose_tiling(3584, 18944, sms=132).splits == 1  # thinker down: 112 row tiles already
     assert skinny.choose_tiling(18944, 896, sms=132, gate_up=True) == skinny.Tiling(32, 128, 1, 4, 3)
-    # talker o: 7 steps of K in 2 slices, each read whole before the PDL wait
-    assert skinny.choose_tiling(896, 896, sms=132) == skinny.Tiling(32, 512, 2, 4, 1, preload=True)
-    # talker qkv: the same (its bias keeps K whole at launch: one 1024-wide tile)
-    assert skinny.choose_tiling(1152, 896, sms=132) == skinny.Tiling(32, 512, 2, 4, 1, preload=True)
+    # small weights read whole before the PDL wait, 16 rows a program: talker o in 2 slices of K, qkv in one
+    assert skinny.choose_tiling(896, 896, sms=132) == skinny.Tiling(16, 512, 2, 4, 1, preload=True)
+    assert skinny.choose_tiling(1152, 896, sms=132) == skinny.Tiling(16, 1024, 1, 4, 1, preload=True)
+    assert not skinny.choose_tiling(8448, 896, sms=132).preload  # the codec head: more tiles than SMs
     # float32 (the GPU tests' tiny models): the same bytes per stage, so shared memory still suffices
     assert skinny.choose_tiling(896, 18944, sms=132, elem_bytes=4).block_k == 256
     monkeypatch.setattr(skinny, "PRELOAD", False)  # OMNISTAGE_SKINNY_PRELOAD=0: the K loop

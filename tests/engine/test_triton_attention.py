@@ -115,6 +115,8 @@ def _decode_inputs(heads: int, kv_heads: int, head_dim: int, ctx_lens: list[int]
         (7, 1, 32, None, [45, 3, 64], 3, torch.int32),  # GQA group of 7, a split count that is no power of two
         (4, 4, 16, 40, [101, 20, 77], 4, torch.int64),  # sliding window: splits cover only the visible keys
         (8, 2, 64, 5, [101, 9], 2, torch.int32),  # a window shorter than one BLOCK_N, far from key 0
+        # slices of several blocks: the newest key in a later block, or in the first (read after the wait)
+        (4, 2, 16, None, [300, 161, 129, 33], 2, torch.int32),
     ],
 )
 def test_split_decode_matches_reference(

@@ -41,23 +41,38 @@ def _attend_keys(
     for start in range(start_pos, end_pos, BLOCK_N):
         key_pos = start + cols
         key_ok = key_pos < ctx_len
-        page = tl.load(block_tables + seq * stride_bt + key_pos // PAGE, mask=key_ok, other=0)
-        slot = page.to(tl.int64) * PAGE + key_pos % PAGE  # int64: large caches overflow int32 offsets
-        kv_off = slot[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
-        k = tl.load(K + kv_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
-        if window > 0:
-            visible &= (q_pos[:, None] - key_pos[None, :]) < window
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(V + kv_off, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        kv_off = _kv_offsets(block_tables, seq, kv_head, key_pos, key_ok, stride_kt, stride_kh, stride_bt, PAGE,
+                             dims)
+        kv_ok = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(K + kv_off, mask=kv_ok, other=0.0)
+        v = tl.load(V + kv_off, mask=kv_ok, other=0.0)
+        acc, m_i, l_i = _attend_block(q, q_pos, acc, m_i, l_i, k, v, key_pos, key_ok, scale, window, PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _kv_offsets(block_tables, seq, kv_head, key_pos, key_ok, stride_kt, stride_kh, stride_bt, PAGE: tl.constexpr,
+                dims):
+    """[keys, dims] offsets of keys at `key_pos` of one sequence and KV head in the paged cache."""
+    page = tl.load(block_tables + seq * stride_bt + key_pos // PAGE, mask=key_ok, other=0)
+    slot = page.to(tl.int64) * PAGE + key_pos % PAGE  # int64: large caches overflow int32 offsets
+    return slot[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+
+
+@triton.jit
+def _attend_block(q, q_pos, acc, m_i, l_i, k, v, key_pos, key_ok, scale, window, PRECISION: tl.constexpr):
+    """One block of keys k, values v (at key_pos; key_ok: real keys) into the running softmax state."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    visible = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
+    if window > 0:
+        visible &= (q_pos[:, None] - key_pos[None, :]) < window
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -120,8 +135,11 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One decode token's GROUP query heads against one of `splits` equal, BLOCK_N-aligned slices of
-    its visible keys. A slice past the context leaves the neutral partial (sum 0, max -1e30, acc 0)."""
-    pdl.wait_for_inputs(PDL)
+    its visible keys. A slice past the context leaves the neutral partial (sum 0, max -1e30, acc 0).
+
+    The slice's first block of keys and values is read before the PDL wait, all but the newest key: the
+    kernel before this one (the rotary's cache write) stores that one; the step's metadata and older keys
+    were written by kernels finished before this one launched (omnistage/kernels/pdl.py)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -136,17 +154,30 @@ def _decode_split_kernel(
     start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx_len)
 
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    key_pos = start + tl.arange(0, BLOCK_N)
+    key_ok = key_pos < end
+    kv_off = _kv_offsets(block_tables, seq, kv_head, key_pos, key_ok, stride_kt, stride_kh, stride_bt, PAGE, dims)
+    older = (key_ok & (key_pos < ctx_len - 1))[:, None] & dim_ok[None, :]
+    k = tl.load(K + kv_off, mask=older, other=0.0)
+    v = tl.load(V + kv_off, mask=older, other=0.0)
+    pdl.wait_for_inputs(PDL)
+    newest = (key_ok & (key_pos == ctx_len - 1))[:, None] & dim_ok[None, :]
+    k = tl.where(newest, tl.load(K + kv_off, mask=newest, other=0.0), k)
+    v = tl.where(newest, tl.load(V + kv_off, mask=newest, other=0.0), v)
+
     rows = tl.arange(0, BLOCK_M)
     head = kv_head * GROUP + rows
     row_ok = rows < GROUP
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
     q = tl.load(Q + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + ctx_len - 1
-    acc, m_i, l_i = _attend_keys(
+    acc, m_i, l_i = _attend_block(
         q, q_pos, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), tl.full([BLOCK_M], -1.0e30, dtype=tl.float32),
-        tl.zeros([BLOCK_M], dtype=tl.float32), K, V, block_tables, seq, kv_head, ctx_len, start, end,
+        tl.zeros([BLOCK_M], dtype=tl.float32), k, v, key_pos, key_ok, scale, window, PRECISION)
+    acc, m_i, l_i = _attend_keys(
+        q, q_pos, acc, m_i, l_i, K, V, block_tables, seq, kv_head, ctx_len, start + BLOCK_N, end,
         scale, window, stride_kt, stride_kh, stride_bt, BLOCK_N, PAGE, HEAD_DIM, BLOCK_D, PRECISION,
     )
     pdl.launch_next(PDL)
