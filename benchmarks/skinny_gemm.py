@@ -8,7 +8,7 @@ there), and each measurement is a CUDA graph of 24 calls replayed, as a decode s
 every tiling of a grid at M=1 and reports the best beside the built-in choice (`choose_tiling`). `--pdl on,off`
 times the Triton kernels with and without programmatic dependent launch (omnistage/kernels/pdl.py). For K up to
 `PRELOAD_MAX_K` the sweep adds tilings that read a program's whole slice of K before the PDL wait
-(`--kinds`); OMNISTAGE_SKINNY_PRELOAD=0 makes the built-in choice the K loop again.
+(`--preload-only`: only those); OMNISTAGE_SKINNY_PRELOAD=0 makes the built-in choice the K loop again.
 
     python benchmarks/skinny_gemm.py --out skinny.jsonl            # GPU: built-in choice vs cuBLAS, M=1,2,4,8,16
     python benchmarks/skinny_gemm.py --sweep --out sweep.jsonl     # GPU: also the tiling grid at M=1
@@ -92,9 +92,7 @@ def main() -> None:
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     ap.add_argument("--warps", type=ints, default=[4, 8], help="num_warps values the sweep tries, e.g. 4,8")
     ap.add_argument("--stages", type=ints, default=[3, 4], help="num_stages values the sweep tries, e.g. 3,4")
-    ap.add_argument("--kinds", default="loop,preload", help="tilings the sweep tries: loop (Triton's pipeline "
-                    "after the PDL wait), preload (K <= PRELOAD_MAX_K: a whole slice read early), ahead (register "
-                    "tiles in flight, the first read early)")
+    ap.add_argument("--preload-only", action="store_true", help="sweep only preloaded tilings where K allows them")
     ap.add_argument("--pdl", default="on", help="programmatic dependent launch: on, off or on,off (each timed)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -120,17 +118,12 @@ def main() -> None:
         if args.sweep:
             splits = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32) if op in ("o", "down") else (1,)  # 9 x 14 tiles of 64: 126 SMs
             results = []
-            grid = []
-            if "loop" in args.kinds:  # Triton's pipeline after the wait
-                grid += [skinny.Tiling(bn, bk, s, warps, stages) for bn, bk, warps, stages, s in itertools.product(
-                    (16, 32, 64), (128, 256, 512), args.warps, args.stages, splits) if s == 1 or k // (bk * s) >= 1]
-            if "preload" in args.kinds and k <= skinny.PRELOAD_MAX_K and op != "gate_up":  # whole slices early
-                grid += [skinny.Tiling(bn, max(16, 1 << (-(-k // s) - 1).bit_length()), s, warps, 1, preload=True)
-                         for bn, s, warps in itertools.product((16, 32, 64), (1, 2, 4), args.warps)]
-            if "ahead" in args.kinds and (op == "gate_up" or k > skinny.PRELOAD_MAX_K):  # register tiles, first early
-                ahead_splits = (1,) if op not in ("o", "down") else (1, 2, 4, 9) if n < 2048 else (1, 2)
-                grid += [skinny.Tiling(bn, bk, s, warps, 1, ahead=a) for bn, bk, warps, a, s in itertools.product(
-                    (32, 64), (128, 256), args.warps, (2, 3), ahead_splits) if k // (bk * s) >= 2]
+            grid = [skinny.Tiling(bn, bk, s, warps, stages) for bn, bk, warps, stages, s in itertools.product(
+                (16, 32, 64), (128, 256, 512), args.warps, args.stages, splits) if s == 1 or k // (bk * s) >= 1]
+            if k <= skinny.PRELOAD_MAX_K and op != "gate_up":  # whole slices read before the wait
+                grid = [t for t in grid if not args.preload_only] + [
+                    skinny.Tiling(bn, max(16, 1 << (-(-k // s) - 1).bit_length()), s, warps, 1, preload=True)
+                    for bn, s, warps in itertools.product((16, 32, 64), (1, 2, 4), args.warps)]
             for t in grid:
                 try:
                     us = time_op(op, n, k, bias, 1, t, weights)

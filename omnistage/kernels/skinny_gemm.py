@@ -54,8 +54,7 @@ if triton is not None:
     def _skinny_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, k_per_split,
                             HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, AHEAD: tl.constexpr,
-                            PDL: tl.constexpr):
+                            BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
         pid_n, split = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -73,36 +72,6 @@ if triton is not None:
             pdl.wait_for_inputs(PDL)
             x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        elif AHEAD > 0:  # our own pipeline of AHEAD (2 or 3) register tiles, the first ones read before the wait
-            up_rows = w_rows + N * stride_wn
-            w0 = _weight_tile(w_rows, row_ok, k_begin, k_end, BLOCK_K)
-            w1 = _weight_tile(w_rows, row_ok, k_begin + BLOCK_K, k_end, BLOCK_K)
-            w2 = w1
-            if AHEAD > 2:
-                w2 = _weight_tile(w_rows, row_ok, k_begin + 2 * BLOCK_K, k_end, BLOCK_K)
-            u0, u1, u2 = w0, w1, w2
-            if GATE_UP:
-                u0 = _weight_tile(up_rows, row_ok, k_begin, k_end, BLOCK_K)
-                u1 = _weight_tile(up_rows, row_ok, k_begin + BLOCK_K, k_end, BLOCK_K)
-                u2 = u1
-                if AHEAD > 2:
-                    u2 = _weight_tile(up_rows, row_ok, k_begin + 2 * BLOCK_K, k_end, BLOCK_K)
-            pdl.wait_for_inputs(PDL)
-            for k0 in range(k_begin, k_end, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks < k_end)[None, :],
-                            other=0.0)
-                acc = tl.dot(x, tl.trans(w0), acc, input_precision=PRECISION)
-                if GATE_UP:
-                    acc_up = tl.dot(x, tl.trans(u0), acc_up, input_precision=PRECISION)
-                if AHEAD > 2:
-                    w0, w1, w2 = w1, w2, _weight_tile(w_rows, row_ok, k0 + 3 * BLOCK_K, k_end, BLOCK_K)
-                    if GATE_UP:
-                        u0, u1, u2 = u1, u2, _weight_tile(up_rows, row_ok, k0 + 3 * BLOCK_K, k_end, BLOCK_K)
-                else:
-                    w0, w1 = w1, _weight_tile(w_rows, row_ok, k0 + 2 * BLOCK_K, k_end, BLOCK_K)
-                    if GATE_UP:
-                        u0, u1 = u1, _weight_tile(up_rows, row_ok, k0 + 2 * BLOCK_K, k_end, BLOCK_K)
         else:
             pdl.wait_for_inputs(PDL)
             for k0 in range(k_begin, k_end, BLOCK_K):
@@ -133,12 +102,6 @@ if triton is not None:
                 tl.store(out, acc.to(dtype).to(Y.dtype.element_ty), mask=ok)
 
 
-    @triton.jit
-    def _weight_tile(w_rows, row_ok, k0, k_end, BLOCK_K: tl.constexpr):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & (ks < k_end)[None, :], other=0.0)
-
-
 @dataclass(frozen=True)
 class Tiling:
     block_n: int
@@ -147,7 +110,6 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 4
     preload: bool = False  # one K tile per program (block_k covers its slice), read before the PDL wait
-    ahead: int = 0  # > 0: a K loop over `ahead` register tiles in flight, the first read before the wait
 
 
 @cache
@@ -214,7 +176,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
         m * n if partial else 0, n, k_per_split,
-        HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial, PRELOAD=t.preload, AHEAD=t.ahead,
+        HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial, PRELOAD=t.preload,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=t.num_stages,
         **pdl.kernel_args(x.device),
