@@ -120,11 +120,12 @@ def draw(logits: torch.Tensor, noise: torch.Tensor | None, temperature: torch.Te
          greedy: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
          min_p: torch.Tensor | None, repetition: torch.Tensor | None, frequency: torch.Tensor | None,
          presence: torch.Tensor | None, ban: torch.Tensor | None, seen: torch.Tensor | None,
-         counts: torch.Tensor | None, slots: torch.Tensor | None, record: bool) -> torch.Tensor:
+         counts: torch.Tensor | None, slots: torch.Tensor | None, record: bool, num_warps: int | None = None
+         ) -> torch.Tensor:
     """Token ids [rows] for float32 logits [rows, vocab]. Columns are [rows, 1] float32 (None: no row uses the
     feature; `greedy` [rows] bool, None: no row is greedy, `noise` None: every row is). `seen` / `counts`: the
     token history's whole tables, [slots, vocab], read at `slots` [rows]; `record` marks each drawn token there.
-    Top-k, top-p and min-p come together (all given or none)."""
+    Top-k, top-p and min-p come together (all given or none). `num_warps`: the program's width (benchmarks)."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     block = triton.next_power_of_2(vocab)
@@ -141,6 +142,6 @@ def draw(logits: torch.Tensor, noise: torch.Tensor | None, temperature: torch.Te
         ALL_GREEDY=noise is None, FILTER=top_k is not None, REPETITION=repetition is not None,
         FREQUENCY=frequency is not None, PRESENCE=presence is not None, BAN=ban is not None,
         GREEDY=greedy is not None, RECORD=record,
-        BLOCK=block, num_warps=max(4, min(16, block // 1024)),
+        BLOCK=block, num_warps=num_warps or max(4, min(16, block // 1024)),
     )
     return out
