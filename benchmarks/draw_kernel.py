@@ -1,7 +1,6 @@
 """The fused draw kernel (omnistage/kernels/draw.py) at a codec head's vocabulary: microseconds per draw for a few
 rows, by which filters run and by the program's width. Each measurement is a CUDA graph of 24 draws replayed
-(benchmarks/graph_timing.py), the history recorded as in a decode step; `--ways` times the threshold search's
-ways per step.
+(benchmarks/graph_timing.py), the history recorded as in a decode step.
 
     python benchmarks/draw_kernel.py --out draw.jsonl       # GPU
 """
@@ -27,7 +26,7 @@ SETTINGS = {
 }
 
 
-def time_draw(params: SamplingParams, rows: int, vocab: int, num_warps: int | None, ways_log2: int) -> float:
+def time_draw(params: SamplingParams, rows: int, vocab: int, num_warps: int | None) -> float:
     dev = torch.device("cuda")
     history = TokenHistory(rows + 1, vocab, dev)
     sampler = Sampler(seed=0)
@@ -39,7 +38,7 @@ def time_draw(params: SamplingParams, rows: int, vocab: int, num_warps: int | No
     def one() -> torch.Tensor:
         return fused_draw.draw(logits, noise, cols.temperature, cols.greedy, cols.top_k, cols.top_p, cols.min_p,
                                cols.repetition, cols.frequency, cols.presence, cols.ban, history.seen,
-                               history.counts, slots, record=True, num_warps=num_warps, ways_log2=ways_log2)
+                               history.counts, slots, record=True, num_warps=num_warps)
 
     return time_graph([one] * 24)
 
@@ -49,17 +48,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8448)
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--warps", default="0,4,8,16,32", help="program widths to time (0: the built-in choice)")
-    ap.add_argument("--ways", default="1,2,4", help="log2 of the search's ways per step to time")
     ap.add_argument("--out")
     args = ap.parse_args()
     out = open(args.out, "a") if args.out else None
-    for (name, params), rows, warps, ways in itertools.product(
-            SETTINGS.items(), map(int, args.rows.split(",")), map(int, args.warps.split(",")),
-            map(int, args.ways.split(","))):
-        if name == "temperature_only" and ways > 1:
-            continue
+    for (name, params), rows, warps in itertools.product(SETTINGS.items(), map(int, args.rows.split(",")),
+                                                         map(int, args.warps.split(","))):
         row = {"settings": name, "rows": rows, "vocab": args.vocab, "num_warps": warps or "built-in",
-               "ways_log2": ways, "us": round(time_draw(params, rows, args.vocab, warps or None, ways), 2),
+               "us": round(time_draw(params, rows, args.vocab, warps or None), 2),
                "device": torch.cuda.get_device_name()}
         print(json.dumps(row), flush=True)
         if out:

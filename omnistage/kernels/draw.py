@@ -56,7 +56,7 @@ if triton is not None:
                      Ban, Seen, Counts, Slots, vocab, stride_logits, stride_noise, stride_ban, stride_history,
                      ALL_GREEDY: tl.constexpr, FILTER: tl.constexpr, REPETITION: tl.constexpr,
                      FREQUENCY: tl.constexpr, PRESENCE: tl.constexpr, BAN: tl.constexpr, GREEDY: tl.constexpr,
-                     RECORD: tl.constexpr, WAYS_LOG2: tl.constexpr, BLOCK: tl.constexpr):
+                     RECORD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         ids = tl.arange(0, BLOCK)
         valid = ids < vocab
@@ -84,28 +84,22 @@ if triton is not None:
             if FILTER:
                 key = _ordered(x)
                 k = tl.load(TopK + row).to(tl.int32)
-                # Both thresholds by a WAYS-way search over the 2^32 keys: each step counts (or weighs) the
-                # keys above WAYS - 1 cut points at once and keeps the one part that holds the threshold.
-                steps: tl.constexpr = 32 // WAYS_LOG2
-                cuts = tl.arange(0, 1 << WAYS_LOG2).to(tl.int64)
                 if k < vocab:  # the largest key with at least k keys at or above it: the k-th largest
-                    lo = tl.full((), -2147483648, tl.int64)  # count(key >= lo) >= k, count(key >= lo + size) < k
-                    for step in tl.static_range(steps):
-                        part = tl.full((), 1, tl.int64) << (32 - WAYS_LOG2 * (step + 1))
-                        at = (lo + cuts * part).to(tl.int32)
-                        enough = tl.sum((key[:, None] >= at[None, :]).to(tl.int32), 0) >= k
-                        lo += tl.max(tl.where(enough, cuts, 0), 0) * part
+                    lo, hi = tl.full((), -2147483648, tl.int64), tl.full((), 2147483648, tl.int64)
+                    for _ in tl.static_range(32):
+                        mid = lo + (hi - lo) // 2
+                        enough = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0) >= k
+                        lo, hi = tl.where(enough, mid, lo), tl.where(enough, hi, mid)
                     keep = keep & (key >= lo.to(tl.int32))
                 weight = tl.where(keep, tl.exp(x - top), 0.0)
                 p = tl.load(TopP + row)
                 if p < 1.0:  # the smallest key whose strictly larger keys hold less than p of the mass
                     mass = p * tl.sum(weight, 0)
-                    hi = tl.full((), 2147483647, tl.int64)  # weight(key > hi) < mass <= weight(key > hi - size)
-                    for step in tl.static_range(steps):
-                        part = tl.full((), 1, tl.int64) << (32 - WAYS_LOG2 * (step + 1))
-                        at = (hi - cuts * part).to(tl.int32)
-                        below = tl.sum(tl.where(key[:, None] > at[None, :], weight[:, None], 0.0), 0) < mass
-                        hi -= tl.max(tl.where(below, cuts, 0), 0) * part
+                    lo, hi = tl.full((), -2147483649, tl.int64), tl.full((), 2147483647, tl.int64)
+                    for _ in tl.static_range(32):
+                        mid = lo + (hi - lo) // 2
+                        below = tl.sum(tl.where(key > mid.to(tl.int32), weight, 0.0), 0) < mass
+                        lo, hi = tl.where(below, lo, mid), tl.where(below, mid, hi)
                     keep = keep & (key >= hi.to(tl.int32))
                 # p / p_max = exp(x - max). The most likely token survives every filter (k >= 1, p > 0, min-p <= 1).
                 keep = keep & (weight >= tl.load(MinP + row))
@@ -126,13 +120,12 @@ def draw(logits: torch.Tensor, noise: torch.Tensor | None, temperature: torch.Te
          greedy: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
          min_p: torch.Tensor | None, repetition: torch.Tensor | None, frequency: torch.Tensor | None,
          presence: torch.Tensor | None, ban: torch.Tensor | None, seen: torch.Tensor | None,
-         counts: torch.Tensor | None, slots: torch.Tensor | None, record: bool, num_warps: int | None = None,
-         ways_log2: int = 1) -> torch.Tensor:
+         counts: torch.Tensor | None, slots: torch.Tensor | None, record: bool, num_warps: int | None = None
+         ) -> torch.Tensor:
     """Token ids [rows] for float32 logits [rows, vocab]. Columns are [rows, 1] float32 (None: no row uses the
     feature; `greedy` [rows] bool, None: no row is greedy, `noise` None: every row is). `seen` / `counts`: the
     token history's whole tables, [slots, vocab], read at `slots` [rows]; `record` marks each drawn token there.
-    Top-k, top-p and min-p come together (all given or none). `num_warps`: the program's width,
-    `ways_log2`: cut points per search step, 2^ways_log2 - 1 (benchmarks)."""
+    Top-k, top-p and min-p come together (all given or none). `num_warps`: the program's width (benchmarks)."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     block = triton.next_power_of_2(vocab)
@@ -148,7 +141,7 @@ def draw(logits: torch.Tensor, noise: torch.Tensor | None, temperature: torch.Te
         ban.stride(0) if ban is not None else 0, history.stride(0) if history is not None else 0,
         ALL_GREEDY=noise is None, FILTER=top_k is not None, REPETITION=repetition is not None,
         FREQUENCY=frequency is not None, PRESENCE=presence is not None, BAN=ban is not None,
-        GREEDY=greedy is not None, RECORD=record, WAYS_LOG2=ways_log2,
+        GREEDY=greedy is not None, RECORD=record,
         BLOCK=block, num_warps=num_warps or max(4, min(16, block // 1024)),
     )
     return out
