@@ -82,6 +82,25 @@ def test_kernel_keeps_exactly_top_k_and_the_top_p_set(kernel_everywhere) -> None
         assert set(got.tolist()) == allowed  # each kept token drawn at least once in 400 draws, no other
 
 
+def test_ties_at_the_top_k_boundary_are_kept_and_top_p_applies_to_top_k_mass(kernel_everywhere) -> None:
+    """The 5th and 6th largest logits tie: top-k 5 keeps both (as many bfloat16 logits tie); top-p after top-k
+    keeps the shortest prefix holding p of the top-k survivors' mass (and a token tied with its last)."""
+    vocab, draws = 64, 400
+    logits = torch.linspace(-3, 3, vocab)[torch.randperm(vocab, generator=torch.Generator().manual_seed(3))]
+    order = logits.argsort(descending=True)
+    logits[order[5]] = logits[order[4]]
+    logits = logits.to(DEVICE).expand(draws, vocab).contiguous()
+    top10 = logits[0, order[:10]].softmax(-1)  # already in descending order
+    prefix = order[:10][(top10.cumsum(0) - top10).cpu() < 0.6]
+    prefix = order[:10][logits[0, order[:10]].cpu() >= logits[0, prefix].min().cpu()]  # a tie at its end too
+    for top_k, top_p, allowed in ((5, 1.0, set(order[:6].tolist())), (10, 0.6, set(prefix.tolist()))):
+        col = torch.full((draws, 1), 1.0, device=DEVICE)
+        noise = torch.empty(draws, vocab, device=DEVICE).exponential_(generator=torch.Generator(DEVICE).manual_seed(4))
+        got = fused_draw.draw(logits, noise, col, None, col * top_k, col * top_p, col * 0.0, None, None, None, None,
+                              None, None, None, record=False)
+        assert set(got.tolist()) == allowed
+
+
 def test_greedy_rows_take_the_argmax_of_the_penalised_logits(kernel_everywhere) -> None:
     vocab = 100
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(2)).to(DEVICE)
