@@ -22,6 +22,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+import triton
 from graph_timing import time_graph
 
 from omnistage.kernels import pdl
@@ -122,7 +123,7 @@ def main() -> None:
                 (16, 32, 64), (128, 256, 512), args.warps, args.stages, splits) if s == 1 or k // (bk * s) >= 1]
             if k <= skinny.PRELOAD_MAX_K and op != "gate_up":  # whole slices read before the wait
                 grid = [t for t in grid if not args.preload_only] + [
-                    skinny.Tiling(bn, max(16, 1 << (-(-k // s) - 1).bit_length()), s, warps, 1, preload=True)
+                    skinny.Tiling(bn, max(16, triton.next_power_of_2(-(-k // s))), s, warps, 1, preload=True)
                     for bn, s, warps in itertools.product((16, 32, 64), (1, 2, 4), args.warps)]
             for t in grid:
                 try:

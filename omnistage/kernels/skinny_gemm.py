@@ -140,7 +140,7 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
         while triton.cdiv(n, 16) * splits * 2 <= sms and k >= 512 * splits:
             splits *= 2
         block_k = triton.next_power_of_2(triton.cdiv(k, splits))
-        return Tiling(16, block_k, splits, num_warps=8 if 16 * block_k * elem_bytes > 32768 else 4, num_stages=1,
+        return Tiling(16, block_k, splits, num_warps=_preload_warps(16, block_k, elem_bytes), num_stages=1,
                       preload=True)
     block_n = 32
     if not gate_up and sms < triton.cdiv(n, block_n) < 2 * sms:
@@ -152,6 +152,11 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
     while row_tiles * splits * 2 <= sms and k_steps >= 4 * splits:
         splits *= 2
     return Tiling(block_n, block_k, splits, num_warps=4, num_stages=3 if gate_up else 4)
+
+
+def _preload_warps(block_n: int, block_k: int, elem_bytes: int) -> int:
+    """Warps for a preloaded tile: 8 past 32 KB, so its weights stay in registers."""
+    return 8 if block_n * block_k * elem_bytes > 32768 else 4
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, gate_up: bool,
@@ -168,7 +173,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     block_k, num_warps = t.block_k, t.num_warps
     if t.preload and block_k * splits < k:  # fewer slices than the tiling's (a bias, say): a wider tile
         block_k = triton.next_power_of_2(triton.cdiv(k, splits))
-        num_warps = 8 if t.block_n * block_k * x.element_size() > 32768 else num_warps
+        num_warps = max(num_warps, _preload_warps(t.block_n, block_k, x.element_size()))
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
     splits = triton.cdiv(k, k_per_split)  # no empty slices
     partial = splits > 1
