@@ -7,8 +7,11 @@ logits in registers and
 
 - applies the repetition, frequency and presence penalties (reading the row's token history by slot) and bans,
 - takes the greedy id, then divides by the temperature,
-- finds top-k's threshold (the k-th largest value) and top-p's (the smallest value whose strictly larger values
-  hold less than top-p of the top-k mass) by bisection on the values' ordered bits, so nothing is sorted,
+- finds top-k's set by bisection on the values' ordered bits for a cut with exactly k values above it (stopping
+  there; with ties at the k-th value it ends on that value), and top-p's threshold (the smallest value whose
+  strictly larger values hold less than top-p of the top-k mass) among top-k's survivors when they are few
+  (packed through a small scratch buffer, each weighed against all the others), else by bisection as well; so
+  nothing is sorted,
 - keeps min-p's tokens (the most likely one survives every filter, as in torch's),
 - draws by the same exponential race as torch (argmax of exp(x - max) / noise; the softmax's common divisor
   cannot change the argmax), with the noise torch drew for the step,
@@ -36,6 +39,7 @@ except ImportError:  # Triton is needed only on CUDA
 
 MAX_VOCAB = 16384  # a row in one program's registers; larger vocabularies (a text LM's head) keep torch's draw
 ENABLED = os.environ.get("OMNISTAGE_FUSED_DRAW", "1") != "0"  # 0: torch's draw everywhere (for comparisons)
+CANDIDATES = 64  # top-k survivors up to this many: top-p's threshold among them, not by bisection
 
 
 def supported(logits: torch.Tensor) -> bool:
@@ -53,10 +57,11 @@ if triton is not None:
 
     @triton.jit
     def _draw_kernel(Logits, Noise, Out, Temperature, Greedy, TopK, TopP, MinP, Repetition, Frequency, Presence,
-                     Ban, Seen, Counts, Slots, vocab, stride_logits, stride_noise, stride_ban, stride_history,
+                     Ban, Seen, Counts, Slots, CandidateKeys, CandidateWeights, vocab, stride_logits, stride_noise,
+                     stride_ban, stride_history,
                      ALL_GREEDY: tl.constexpr, FILTER: tl.constexpr, REPETITION: tl.constexpr,
                      FREQUENCY: tl.constexpr, PRESENCE: tl.constexpr, BAN: tl.constexpr, GREEDY: tl.constexpr,
-                     RECORD: tl.constexpr, BLOCK: tl.constexpr):
+                     RECORD: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         ids = tl.arange(0, BLOCK)
         valid = ids < vocab
@@ -84,23 +89,42 @@ if triton is not None:
             if FILTER:
                 key = _ordered(x)
                 k = tl.load(TopK + row).to(tl.int32)
-                if k < vocab:  # the largest key with at least k keys at or above it: the k-th largest
+                if k < vocab:  # the keys at or above the k-th largest
+                    # Bisection for a cut with exactly k keys at or above it (the top k, whatever the k-th
+                    # largest is); it stops as soon as it meets one, and otherwise (ties at the k-th) ends on the
+                    # k-th largest itself after 32 steps.
                     lo, hi = tl.full((), -2147483648, tl.int64), tl.full((), 2147483648, tl.int64)
-                    for _ in tl.static_range(32):
+                    count = k + 1
+                    while (hi - lo > 1) & (count != k):
                         mid = lo + (hi - lo) // 2
-                        enough = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0) >= k
+                        count = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0)
+                        enough = count >= k
                         lo, hi = tl.where(enough, mid, lo), tl.where(enough, hi, mid)
                     keep = keep & (key >= lo.to(tl.int32))
                 weight = tl.where(keep, tl.exp(x - top), 0.0)
                 p = tl.load(TopP + row)
                 if p < 1.0:  # the smallest key whose strictly larger keys hold less than p of the mass
                     mass = p * tl.sum(weight, 0)
-                    lo, hi = tl.full((), -2147483649, tl.int64), tl.full((), 2147483647, tl.int64)
-                    for _ in tl.static_range(32):
-                        mid = lo + (hi - lo) // 2
-                        below = tl.sum(tl.where(key > mid.to(tl.int32), weight, 0.0), 0) < mass
-                        lo, hi = tl.where(below, lo, mid), tl.where(below, mid, hi)
-                    keep = keep & (key >= hi.to(tl.int32))
+                    survivors = tl.sum(keep.to(tl.int32), 0)
+                    if survivors <= CANDIDATES:  # top-k's few: each survivor's heavier ones weighed directly
+                        at = row * CANDIDATES + tl.cumsum(keep.to(tl.int32), 0) - 1  # packed, in vocabulary order
+                        tl.store(CandidateKeys + at, key, mask=keep)
+                        tl.store(CandidateWeights + at, weight, mask=keep)
+                        tl.debug_barrier()  # the program's stores visible to all its threads
+                        c = row * CANDIDATES + tl.arange(0, CANDIDATES)
+                        c_ok = tl.arange(0, CANDIDATES) < survivors
+                        c_key = tl.load(CandidateKeys + c, mask=c_ok, other=-2147483648)
+                        c_weight = tl.load(CandidateWeights + c, mask=c_ok, other=0.0)
+                        heavier = tl.sum(tl.where(c_key[None, :] > c_key[:, None], c_weight[None, :], 0.0), 1)
+                        cut = tl.min(tl.where(c_ok & (heavier < mass), c_key, 2147483647), 0)
+                    else:
+                        lo, hi = tl.full((), -2147483649, tl.int64), tl.full((), 2147483647, tl.int64)
+                        for _ in tl.static_range(32):
+                            mid = lo + (hi - lo) // 2
+                            below = tl.sum(tl.where(key > mid.to(tl.int32), weight, 0.0), 0) < mass
+                            lo, hi = tl.where(below, lo, mid), tl.where(below, mid, hi)
+                        cut = hi.to(tl.int32)
+                    keep = keep & (key >= cut)
                 # p / p_max = exp(x - max). The most likely token survives every filter (k >= 1, p > 0, min-p <= 1).
                 keep = keep & (weight >= tl.load(MinP + row))
             score = tl.where(keep, tl.exp(x - top), -1.0)
@@ -134,14 +158,18 @@ def draw(logits: torch.Tensor, noise: torch.Tensor | None, temperature: torch.Te
     def pointer(t: torch.Tensor | None) -> torch.Tensor:
         return t if t is not None else logits  # an unused pointer (its feature's constexpr is off)
 
+    filtered = top_p is not None  # top-p's scratch: the rows' survivors of top-k, packed
+    keys = torch.empty(rows, CANDIDATES if filtered else 1, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(rows, CANDIDATES if filtered else 1, dtype=torch.float32, device=logits.device)
     _draw_kernel[(rows,)](
         logits, pointer(noise), out, temperature, *map(pointer, (greedy, top_k, top_p, min_p, repetition,
                                                                  frequency, presence, ban, seen, counts, slots)),
+        keys, weights,
         vocab, logits.stride(0), noise.stride(0) if noise is not None else 0,
         ban.stride(0) if ban is not None else 0, history.stride(0) if history is not None else 0,
         ALL_GREEDY=noise is None, FILTER=top_k is not None, REPETITION=repetition is not None,
         FREQUENCY=frequency is not None, PRESENCE=presence is not None, BAN=ban is not None,
-        GREEDY=greedy is not None, RECORD=record,
+        GREEDY=greedy is not None, RECORD=record, CANDIDATES=CANDIDATES,
         BLOCK=block, num_warps=num_warps or max(4, min(16, block // 1024)),
     )
     return out
