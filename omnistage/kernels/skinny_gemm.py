@@ -55,14 +55,21 @@ if triton is not None:
 
     @triton.jit
     def _skinny_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, k_per_split,
+                            COS, SIN, SLOTS, KC, VC, stride_c, stride_ct, stride_ch, q_heads, kv_heads,
                             HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, ROTARY: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
         pid_n, split = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         row_ok, m_ok = rows < N, m < M
-        w_rows = W + rows.to(tl.int64)[:, None] * stride_wn
+        if ROTARY:  # row 2p / 2p + 1 of the tile: the first / second half's feature of rotary pair p
+            pair, half = rows // 2, HEAD_DIM // 2
+            w_index = pair // half * HEAD_DIM + pair % half + rows % 2 * half
+        else:
+            w_index = rows
+        w_rows = W + w_index.to(tl.int64)[:, None] * stride_wn
         k_begin = split * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -89,6 +96,12 @@ if triton is not None:
                     w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_ok, other=0.0)
                     acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
         pdl.launch_next(PDL)
+        if ROTARY:
+            if HAS_BIAS:
+                acc += tl.load(B + w_index, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+            _rotary_kv_epilogue(acc, Y, COS, SIN, SLOTS, KC, VC, m, M, pid_n, N, stride_ym, stride_c, stride_ct,
+                                stride_ch, q_heads, kv_heads, X.dtype.element_ty, BLOCK_M, BLOCK_N, HEAD_DIM)
+            return
         out = Y + split * stride_ys + m[:, None] * stride_ym + rows[None, :]
         ok = m_ok[:, None] & row_ok[None, :]
         if PARTIAL:
@@ -103,6 +116,42 @@ if triton is not None:
                 tl.store(out, (act * acc_up.to(dtype)).to(Y.dtype.element_ty), mask=ok)
             else:
                 tl.store(out, acc.to(dtype).to(Y.dtype.element_ty), mask=ok)
+
+
+    @triton.jit
+    def _rotary_kv_epilogue(acc, Q, COS, SIN, SLOTS, KC, VC, m, M, pid_n, N, stride_qm, stride_c, stride_ct,
+                            stride_ch, q_heads, kv_heads, dtype: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """A q/k/v tile of rotary pairs (see ROTARY) finished as `fused.rotary_kv_write` would: rounded to the
+        activations' dtype, q and k rotated (in float32, rounded again), q stored at Q [M, q_heads * HEAD_DIM],
+        k and v at each row's cache slot."""
+        half = HEAD_DIM // 2
+        x1, x2 = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_M, BLOCK_N // 2, 2]))
+        pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        head, d = pair // half, pair % half
+        m_ok = (m < M)[:, None]
+        pair_ok = (pair < N // 2)[None, :]
+        table = m[:, None] * stride_c + d[None, :]
+        cos1 = tl.load(COS + table, mask=m_ok, other=0.0).to(tl.float32)
+        cos2 = tl.load(COS + table + half, mask=m_ok, other=0.0).to(tl.float32)
+        sin1 = tl.load(SIN + table, mask=m_ok, other=0.0).to(tl.float32)
+        sin2 = tl.load(SIN + table + half, mask=m_ok, other=0.0).to(tl.float32)
+        is_v = (head >= q_heads + kv_heads)[None, :]
+        y1 = tl.where(is_v, x1, x1 * cos1 - x2 * sin1).to(dtype)
+        y2 = tl.where(is_v, x2, x2 * cos2 + x1 * sin2).to(dtype)
+        is_q = (head < q_heads)[None, :]
+        q = Q + m[:, None] * stride_qm + (head * HEAD_DIM + d)[None, :]
+        tl.store(q, y1.to(Q.dtype.element_ty), mask=m_ok & pair_ok & is_q)
+        tl.store(q + half, y2.to(Q.dtype.element_ty), mask=m_ok & pair_ok & is_q)
+        slot = tl.load(SLOTS + m, mask=m < M, other=0).to(tl.int64)
+        kv_head = tl.where(is_v, head[None, :] - q_heads - kv_heads, head[None, :] - q_heads)
+        cache = slot[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
+        is_k = ~is_q & ~is_v & m_ok & pair_ok
+        tl.store(KC + cache, y1.to(KC.dtype.element_ty), mask=is_k)
+        tl.store(KC + cache + half, y2.to(KC.dtype.element_ty), mask=is_k)
+        is_v &= m_ok & pair_ok
+        tl.store(VC + cache, y1.to(VC.dtype.element_ty), mask=is_v)
+        tl.store(VC + cache + half, y2.to(VC.dtype.element_ty), mask=is_v)
 
 
 @dataclass(frozen=True)
@@ -160,7 +209,8 @@ def _preload_warps(block_n: int, block_k: int, elem_bytes: int) -> int:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, gate_up: bool,
-            partial: bool, tiling: Tiling | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            partial: bool, tiling: Tiling | None, out_dtype: torch.dtype | None = None,
+            rotary: _Rotary | None = None) -> torch.Tensor:
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -179,17 +229,34 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     partial = splits > 1
     if partial:
         y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    elif rotary is not None:  # q only: k and v go to the cache
+        y = torch.empty(m, rotary.q_heads * rotary.head_dim, dtype=x.dtype, device=x.device)
     else:
         y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    r = rotary or _NO_ROTARY
     _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
-        m * n if partial else 0, n, k_per_split,
+        m * n if partial else 0, y.stride(-2), k_per_split,
+        *(r.args or (weight,) * 5), *r.strides, r.q_heads, r.kv_heads,
         HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial, PRELOAD=t.preload,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=t.num_stages,
-        **pdl.kernel_args(x.device),
+        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=block_k, ROTARY=rotary is not None, HEAD_DIM=r.head_dim,
+        num_warps=num_warps, num_stages=t.num_stages, **pdl.kernel_args(x.device),
     )
     return y
+
+
+@dataclass(frozen=True)
+class _Rotary:
+    """What the rotary epilogue needs: tables and slots per row, the caches, the head layout."""
+    args: tuple[torch.Tensor, ...] | None  # cos, sin [M, head_dim], slots [M], k_cache, v_cache [slots, KVH, D]
+    strides: tuple[int, int, int]  # of the tables' rows, of the caches' slots and heads
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+
+_NO_ROTARY = _Rotary(None, (0, 0, 0), 0, 0, 2)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partial: bool = False,
@@ -216,3 +283,29 @@ def gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor, tiling: Tiling |
     if not _use_triton(x):
         return silu_mul(F.linear(x, gate_up_weight))
     return _launch(x, gate_up_weight, None, n, True, False, tiling)
+
+
+def qkv_rotary_kv_write(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, head_dim: int,
+                        q_heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, *, tiling: Tiling | None = None
+                        ) -> torch.Tensor:
+    """A fused q/k/v projection ([q; k; v] rows), then `fused.rotary_kv_write`: on CUDA one kernel, whose
+    programs each take rows in rotary pairs (feature i of a head with feature i + head_dim / 2, read from the
+    weight where they are) and finish them rotated, q to the result and k and v straight to their cache slots.
+    x [M, K], cos/sin [M, head_dim], slot_mapping [M], caches [slots, kv_heads, head_dim]. Returns q
+    [M, q_heads, head_dim], rotated; the same bits as the linear layer and `rotary_kv_write` one after the other."""
+    from omnistage.kernels.fused import rotary_kv_write
+
+    n = qkv_weight.shape[0]
+    if n != (q_heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"skinny_gemm: a [q; k; v] weight of {q_heads}+2x{kv_heads} heads of {head_dim} has "
+                         f"{(q_heads + 2 * kv_heads) * head_dim} rows, not {n}")
+    if not _use_triton(x) or head_dim % 2 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        q, k, v = F.linear(x, qkv_weight, qkv_bias).split([q_heads * head_dim, kv_heads * head_dim,
+                                                           kv_heads * head_dim], dim=-1)
+        m = x.shape[0]
+        return rotary_kv_write(q.view(m, q_heads, head_dim), k.view(m, kv_heads, head_dim),
+                               v.view(m, kv_heads, head_dim), cos, sin, k_cache, v_cache, slot_mapping)
+    rotary = _Rotary((cos, sin, slot_mapping, k_cache, v_cache), (cos.stride(0), k_cache.stride(0), k_cache.stride(1)),
+                     q_heads, kv_heads, head_dim)
+    return _launch(x, qkv_weight, qkv_bias, n, False, False, tiling, rotary=rotary).view(-1, q_heads, head_dim)

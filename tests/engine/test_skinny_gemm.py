@@ -116,3 +116,34 @@ def test_linear_to_float_rounds_like_the_head_then_float(force_triton, dtype: to
     want = F.linear(x, w).float()
     assert torch.equal(got.to(dtype).float(), got)  # exactly representable in the activations' dtype
     torch.testing.assert_close(got, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("tiling", [skinny.Tiling(block_n=32, block_k=32, splits=1),
+                                    skinny.Tiling(block_n=16, block_k=64, splits=1, num_stages=1, preload=True)],
+                         ids=["k_loop", "preloaded"])
+def test_qkv_with_rotary_and_cache_write(force_triton, rows: int, with_bias: bool, tiling: skinny.Tiling) -> None:
+    """The q/k/v projection finished in its own kernel (rows taken in rotary pairs, q rotated into the result,
+    k rotated and v stored at each row's cache slot) equals the linear layer then `rotary_kv_write`: q and
+    both caches, untouched slots included. 3 q heads and 1 KV head of 16 (80 rows: the last tile is short)."""
+    q_heads, kv_heads, d = 3, 1, 16
+    x = torch.randn(rows, 64, device=DEVICE)
+    w = torch.randn((q_heads + 2 * kv_heads) * d, 64, device=DEVICE)
+    b = torch.randn(w.shape[0], device=DEVICE) if with_bias else None
+    angles = torch.randn(rows, d // 2, device=DEVICE).repeat(1, 2)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    slots = torch.randperm(40, device=DEVICE)[:rows]
+    k_cache, v_cache = torch.randn(40, kv_heads, d, device=DEVICE), torch.randn(40, kv_heads, d, device=DEVICE)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q, k, v = F.linear(x, w, b).split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    want_q = fused.rotary_kv_write(q.reshape(rows, q_heads, d), k.reshape(rows, kv_heads, d),
+                                   v.reshape(rows, kv_heads, d), cos, sin, want_k, want_v, slots)
+    got_q = skinny.qkv_rotary_kv_write(x, w, b, d, q_heads, kv_heads, cos, sin, slots, k_cache, v_cache,
+                                       tiling=tiling)
+    assert got_q.shape == (rows, q_heads, d)
+    _close(got_q, want_q)
+    _close(k_cache, want_k)
+    _close(v_cache, want_v)
+    with pytest.raises(ValueError, match="rows"):
+        skinny.qkv_rotary_kv_write(x, w[:-1], None, d, q_heads, kv_heads, cos, sin, slots, k_cache, v_cache)

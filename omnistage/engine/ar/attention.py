@@ -78,8 +78,8 @@ class AttentionMetadata:
 def paged_attention(
     layer_idx: int,
     query: torch.Tensor,  # [T, H, D]
-    key: torch.Tensor,  # [T, KVH, D]
-    value: torch.Tensor,  # [T, KVH, D]
+    key: torch.Tensor | None,  # [T, KVH, D]; None when `kv_written`
+    value: torch.Tensor | None,
     meta: AttentionMetadata,
     scale: float | None = None,
     sliding_window: int | None = None,

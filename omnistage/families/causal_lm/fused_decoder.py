@@ -2,13 +2,12 @@
 
 The profile of a batch-1 decode step on an H200 showed a fifth of the GPU time in tiny elementwise
 kernels between the GEMMs. This forward keeps the weights where transformers put them but runs
-each layer as: add+RMSNorm, one QKV GEMM, rotary fused with the KV-cache write, paged attention,
-O GEMM, add+RMSNorm, one gate-up GEMM, SiLU-mul, down GEMM. Decode batches of ≤ 16 rows on CUDA take
-`skinny_gemm`'s kernels instead of cuBLAS: SiLU-mul inside the gate-up kernel, and O and down leave
-split-K partial sums that the following add+RMSNorm reduces. Q/K/V (and gate/up) weights are
-concatenated once at load and the original parameters become views of the fused ones, so no memory
-is added and the HF modules still work (the unfused path is used when intermediate hidden states
-are requested).
+each layer as: add+RMSNorm, one QKV GEMM that also applies the rotary and writes K/V to the cache,
+paged attention, O GEMM, add+RMSNorm, one gate-up GEMM with SiLU-mul, down GEMM. Decode batches of
+≤ 16 rows on CUDA take `skinny_gemm`'s kernels instead of cuBLAS; O and down leave split-K partial
+sums that the following add+RMSNorm reduces. Q/K/V (and gate/up) weights are concatenated once at
+load and the original parameters become views of the fused ones, so no memory is added and the HF
+modules still work (the unfused path is used when intermediate hidden states are requested).
 """
 
 from __future__ import annotations
@@ -88,17 +87,21 @@ class FusedDecoder:
         residual = None
         for p in self.layers:
             x, residual = self._norm(hidden, residual, p["in_norm"])
-            qkv = skinny_gemm.linear(x, p["qkv_w"], p["qkv_b"])
             d = p["head_dim"]
-            q, k, v = qkv.split([p["q_size"], p["kv_size"], p["kv_size"]], dim=-1)
-            q, k, v = q.view(num_tokens, -1, d), k.view(num_tokens, -1, d), v.view(num_tokens, -1, d)
-            if p["q_norm"] is not None:
+            k_cache, v_cache = attn.kv_cache.layer(p["layer_idx"])
+            if p["q_norm"] is None:  # decode batches on CUDA: the rotary and the cache write in the GEMM's kernel
+                q = skinny_gemm.qkv_rotary_kv_write(x, p["qkv_w"], p["qkv_b"], d, p["q_size"] // d, p["kv_size"] // d,
+                                                    cos, sin, attn.slot_mapping, k_cache, v_cache)
+            else:  # Qwen3's per-head norms come between the projection and the rotary
+                qkv = skinny_gemm.linear(x, p["qkv_w"], p["qkv_b"])
+                q, k, v = qkv.split([p["q_size"], p["kv_size"], p["kv_size"]], dim=-1)
                 q = self._norm(q.reshape(-1, d), None, p["q_norm"])[0].view(num_tokens, -1, d)
                 k = self._norm(k.reshape(-1, d), None, p["k_norm"])[0].view(num_tokens, -1, d)
-            k_cache, v_cache = attn.kv_cache.layer(p["layer_idx"])
-            # q rotated in place on CUDA (strided views of qkv are fine); rotated k and v go straight to the cache
-            q = rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, attn.slot_mapping)
-            o = paged_attention(p["layer_idx"], q, k, v, attn, p["scaling"], p["sliding_window"], kv_written=True)
+                # q rotated in place on CUDA; rotated k and v go straight to the cache
+                q = rotary_kv_write(q, k, v.reshape(num_tokens, -1, d), cos, sin, k_cache, v_cache,
+                                    attn.slot_mapping)
+            o = paged_attention(p["layer_idx"], q, None, None, attn, p["scaling"], p["sliding_window"],
+                                kv_written=True)
             # o and down may come back as split-K partial sums: the next add+RMSNorm sums them
             hidden = skinny_gemm.linear(o.reshape(num_tokens, -1), p["o_w"], p["o_b"], partial=True)
             x, residual = self._norm(hidden, residual, p["post_norm"])

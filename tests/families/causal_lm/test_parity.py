@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from omnistage import Omni, SamplingParams
 
@@ -127,9 +127,9 @@ def test_fused_decoder_serves_llama_style_checkpoints(tiny_lm: str) -> None:
 
 def test_greedy_matches_hf_through_the_triton_kernels(tiny_lm: str, hf_reference, monkeypatch) -> None:
     """The fused decoder's Triton path (skinny GEMMs with split-K partials summed in add+RMSNorm, SiLU-mul in the
-    gate-up kernel, rotary with the KV write), forced on (on CPU: Triton's interpreter): decode steps and short
-    prefills take it, longer prefills cuBLAS's stand-in; so does the LM head (logits out as float32). Tiles small
-    enough for the tiny model's K to split."""
+    gate-up kernel, rotary and KV write in the QKV GEMM's kernel), forced on (on CPU: Triton's interpreter):
+    decode steps and short prefills take it, longer prefills cuBLAS's stand-in; so does the LM head (logits out
+    as float32). Tiles small enough for the tiny model's K to split."""
     import omnistage.kernels.fused as fused
     import omnistage.kernels.skinny_gemm as skinny
 
@@ -139,10 +139,11 @@ def test_greedy_matches_hf_through_the_triton_kernels(tiny_lm: str, hf_reference
     monkeypatch.setattr(skinny, "_use_triton", lambda x: x.dim() == 2 and x.shape[0] <= skinny.MAX_ROWS)
     monkeypatch.setattr(skinny, "choose_tiling", lambda *shape: skinny.Tiling(block_n=16, block_k=16, splits=2))
 
-    head_results = []
+    head_results, rotary_results = [], []
 
     def spy(*args, **kwargs):
         y = launch(*args, **kwargs)
+        rotary_results.append(kwargs.get("rotary") is not None)
         partial_results.append(y.dim() == 3)
         head_results.append(y.dtype == torch.float32 and kwargs.get("out_dtype") == torch.float32)
         return y
@@ -155,3 +156,6 @@ def test_greedy_matches_hf_through_the_triton_kernels(tiny_lm: str, hf_reference
     assert [o.token_ids for o in outs] == expected
     assert any(partial_results) and not all(partial_results), "both split-K partials and finished rows should run"
     assert any(head_results), "the LM head should run through the kernel"
+    # except Qwen3's, whose per-head norms come between the projection and the rotary
+    per_head_norms = AutoConfig.from_pretrained(tiny_lm).model_type == "qwen3"
+    assert any(rotary_results) != per_head_norms, "the QKV GEMM should apply the rotary and write the cache"
