@@ -154,6 +154,14 @@ def hf_position_ids(positions: torch.Tensor) -> torch.Tensor:
     return positions[None] if positions.dim() == 1 else positions[:, None]
 
 
+def rotary_tables(decoder: nn.Module, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] of the decoder's rotary embedding for tokens at `positions` (each token's row on
+    its own: tables for many steps at once equal each step's)."""
+    probe = torch.empty(1, 0, dtype=dtype, device=positions.device)  # the embedding reads only dtype and device
+    cos, sin = decoder.rotary_emb(probe, hf_position_ids(positions))
+    return cos[0], sin[0]
+
+
 class HFCausalLM:
     """An HF causal LM seen through the AR engine's ARModel interface.
 
@@ -243,6 +251,13 @@ class HFCausalLM:
         if num_layers in output_layers:
             layers[num_layers] = hidden[0]
         return hidden[0], layers
+
+    def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary tables for `AttentionMetadata.rotary` (a decode burst computes all its steps' at once); None
+        where the forward would not read them (no fused forward)."""
+        if self.fast_forward is None:
+            return None
+        return rotary_tables(self.decoder, positions, self.kv_spec.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # A small head (the talker's 8448 codes) through the skinny-GEMM kernel; cuBLAS was faster on a large one

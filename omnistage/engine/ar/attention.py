@@ -56,6 +56,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None  # [B] int32: context length after this step
     cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32: each sequence's rows in the packed step
     max_query_len: int = 0
+    # rotary tables (cos, sin) [T, head_dim] computed ahead (a decode burst's, once for all its steps) by the
+    # model's `rotary_tables`; None: the forward computes them from the positions
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
     # SDPA backend
     query_pos: torch.Tensor | None = None  # [T] absolute position of each new token
     query_seq: torch.Tensor | None = None  # [T] index of its sequence in the batch

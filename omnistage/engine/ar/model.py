@@ -36,6 +36,8 @@ class ARModel(Protocol):
         """[N, hidden] -> [N, vocab] float32 logits."""
         ...
 
+    # Optional: `rotary_tables(positions [T]) -> (cos, sin) | None`: the tables `forward` would compute for those
+    # positions, for `AttentionMetadata.rotary` (a decode burst computes all its steps' in one go).
     # Optional: `prepare_input(inp: StageInput, first: bool) -> StageInput` completes a request's input
     # (or a later chunk of it) before the engine takes it: media encoders, rotary positions, embeddings
     # composed from the model's own tables. It runs on the stage's worker.

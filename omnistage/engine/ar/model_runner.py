@@ -427,19 +427,26 @@ class ModelRunner:
         self._pad_columns = -(-steps // bs)  # table columns a padded row's positions 0..steps-1 reach
         self._host_tables[:, : self._pad_columns] = self.pad_block
         self._dev_tables.copy_(self._host_tables)
+        ahead = torch.arange(steps, device=self.device)[:, None]  # a burst's steps past its first position
+        rotary_tables = getattr(self.model, "rotary_tables", None)
         capture_stream = own_capture_stream(self.device)
         rng_state = generator.get_state() if generator is not None else None  # warm-ups and captures draw
         for size in reversed(sizes):
             def burst(size: int = size) -> None:
                 ids, rope, pos = self._burst_inputs[:, :size]
                 tables = self._dev_tables[:size]
+                # every step's slots, lengths, positions and rotary tables at once, not a few kernels per step
+                at = pos[None] + ahead  # [steps, size]
+                slots = (tables.gather(1, (at // bs).t()).t().long() * bs + at % bs).contiguous()
+                lens, ropes = at + 1, rope[None] + ahead
+                rotary = rotary_tables(ropes.flatten()) if rotary_tables is not None else None
                 for j in range(steps):
-                    at = pos + j
-                    slots = tables.gather(1, (at // bs)[:, None])[:, 0].long() * bs + at % bs
-                    meta = AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=slots, block_tables=tables,
-                                             seq_lens=at + 1, cu_seqlens_q=self._cu_q[: size + 1], max_query_len=1)
+                    meta = AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=slots[j], block_tables=tables,
+                                             seq_lens=lens[j], cu_seqlens_q=self._cu_q[: size + 1], max_query_len=1)
+                    if rotary is not None:
+                        meta.rotary = tuple(t[j * size : (j + 1) * size] for t in rotary)
                     embeds = self.model.embed(ids) + self._burst_adds[j, :size] if self._dev_adds is not None else None
-                    hidden, _ = self.model.forward(ids, rope + j, meta, embeds)
+                    hidden, _ = self.model.forward(ids, ropes[j], meta, embeds)
                     ids = draw(self.model.compute_logits(hidden))
                     self._burst_tokens[j, :size].copy_(ids)
 

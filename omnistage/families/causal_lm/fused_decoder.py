@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from omnistage.engine.ar.attention import AttentionMetadata, paged_attention
-from omnistage.families.hf import hf_position_ids
+from omnistage.families.hf import rotary_tables
 from omnistage.kernels import skinny_gemm
 from omnistage.kernels.fused import add_rmsnorm, rotary_kv_write
 
@@ -81,8 +81,7 @@ class FusedDecoder:
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """hidden: [T, H] input embeddings -> final (normed) hidden states [T, H]."""
-        cos, sin = self.decoder.rotary_emb(hidden[None], hf_position_ids(positions))
-        cos, sin = cos[0], sin[0]
+        cos, sin = attn.rotary if attn.rotary is not None else rotary_tables(self.decoder, positions, hidden.dtype)
         num_tokens = hidden.shape[0]
         residual = None
         for p in self.layers:
