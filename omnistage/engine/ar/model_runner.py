@@ -427,7 +427,8 @@ class ModelRunner:
         self._pad_columns = -(-steps // bs)  # table columns a padded row's positions 0..steps-1 reach
         self._host_tables[:, : self._pad_columns] = self.pad_block
         self._dev_tables.copy_(self._host_tables)
-        ahead = torch.arange(steps, device=self.device)[:, None]  # a burst's steps past its first position
+        # a burst's steps past its first position (an attribute: the graphs read it on every replay)
+        self._burst_ahead = ahead = torch.arange(steps, device=self.device)[:, None]
         rotary_tables = getattr(self.model, "rotary_tables", None)
         capture_stream = own_capture_stream(self.device)
         rng_state = generator.get_state() if generator is not None else None  # warm-ups and captures draw
