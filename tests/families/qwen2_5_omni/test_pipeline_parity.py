@@ -211,7 +211,7 @@ def test_abort_reaches_all_three_stages(tiny_qwen2_5_omni: str) -> None:
     from omnistage import AsyncOmni
     from omnistage.runtime.messages import OmniRequest
 
-    long = {"thinker": SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+    long = {"thinker": SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
             "talker": SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)}
     engine = AsyncOmni(tiny_qwen2_5_omni, {"async_chunk": True, "stages": {
         "*": {"max_model_len": 1024, **FP32}, "token2wav": {"options": {"window": 8, "left": 8, "right": 4}}}})
@@ -219,14 +219,20 @@ def test_abort_reaches_all_three_stages(tiny_qwen2_5_omni: str) -> None:
     async def leave_early() -> None:
         request = OmniRequest(request_id="gone", messages=MESSAGES, stage_params=long,
                               output_modalities=("text", "audio"), options={"voice": VOICE})
-        agen = engine.generate(request)
-        task = asyncio.ensure_future(agen.__anext__())
-        for _ in range(500):
-            await asyncio.sleep(0.01)
+        seen = []
+
+        async def consume() -> None:  # the server's consumer of the stream
+            async for out in engine.generate(request):
+                seen.append(out.error or len(out.token_ids))
+
+        task = asyncio.ensure_future(consume())
+        for _ in range(1000):  # until both AR stages hold KV blocks
+            await asyncio.sleep(0.005)
             stats = engine.stats()
-            if stats["talker"]["kv_blocks_used"] and stats["thinker"]["kv_blocks_used"]:
+            if (stats["talker"]["kv_blocks_used"] and stats["thinker"]["kv_blocks_used"]) or task.done():
                 break
-        assert stats["talker"]["kv_blocks_used"] > 0, stats
+        # a request that ended first says how here (its last outputs or errors, the stages' counters)
+        assert not task.done() and stats["talker"]["kv_blocks_used"] > 0, (task, seen[-5:], stats)
         task.cancel()  # what a client disconnect does to the server's consumer
         with contextlib.suppress(asyncio.CancelledError):
             await task
