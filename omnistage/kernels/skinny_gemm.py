@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.kernels import pdl
-from omnistage.kernels.fused import silu_mul
+from omnistage.kernels.fused import rotary_kv_write, silu_mul
 
 try:
     import triton
@@ -293,9 +293,7 @@ def qkv_rotary_kv_write(x: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: tor
     programs each take rows in rotary pairs (feature i of a head with feature i + head_dim / 2, read from the
     weight where they are) and finish them rotated, q to the result and k and v straight to their cache slots.
     x [M, K], cos/sin [M, head_dim], slot_mapping [M], caches [slots, kv_heads, head_dim]. Returns q
-    [M, q_heads, head_dim], rotated; the same bits as the linear layer and `rotary_kv_write` one after the other."""
-    from omnistage.kernels.fused import rotary_kv_write
-
+    [M, q_heads, head_dim], rotated, rounded where the linear layer and `rotary_kv_write` round."""
     n = qkv_weight.shape[0]
     if n != (q_heads + 2 * kv_heads) * head_dim:
         raise ValueError(f"skinny_gemm: a [q; k; v] weight of {q_heads}+2x{kv_heads} heads of {head_dim} has "
