@@ -147,3 +147,34 @@ def test_an_abort_during_a_burst_frees_it_and_spares_the_others(tiny_qwen2: str)
         assert engine.stats()["kv_blocks_used"] == 0 and sorted(engine._free_history_slots) == list(range(64))
     finally:
         engine.shutdown()
+
+
+def test_a_bursts_positions_equal_each_steps() -> None:
+    """What a burst graph computes once for all its steps (slots through the block tables, lengths, rotary
+    positions) equals what each step alone computed, with steps crossing into later blocks."""
+    from omnistage.engine.ar.model_runner import burst_positions
+
+    steps, block = 8, 4
+    tables = torch.randperm(40).view(5, 8).int()  # 5 rows, 8 blocks each, shuffled
+    pos = torch.tensor([0, 3, 9, 17, 21])
+    rope = pos + torch.tensor([0, 5, 0, -2, 7])  # rotary positions with a per-row offset (M-RoPE's delta)
+    slots, lens, ropes = burst_positions(tables, pos, rope, torch.arange(steps)[:, None], block)
+    for j in range(steps):
+        at = pos + j
+        assert torch.equal(slots[j], tables.gather(1, (at // block)[:, None])[:, 0].long() * block + at % block)
+        assert torch.equal(lens[j], at + 1) and torch.equal(ropes[j], rope + j)
+    assert slots.is_contiguous()
+
+
+def test_rotary_tables_for_many_steps_equal_each_steps(tiny_qwen2: str) -> None:
+    """The rotary tables a burst computes for all its steps at once are each step's, row for row."""
+    from transformers import AutoModelForCausalLM
+
+    from omnistage.families.hf import rotary_tables
+
+    decoder = AutoModelForCausalLM.from_pretrained(tiny_qwen2).model
+    positions = torch.tensor([[3, 17, 40], [4, 18, 41], [5, 19, 42]])  # [steps, rows]
+    cos, sin = rotary_tables(decoder, positions.flatten(), torch.float32)
+    for j, step in enumerate(positions):
+        want_cos, want_sin = rotary_tables(decoder, step, torch.float32)
+        assert torch.equal(cos[3 * j : 3 * j + 3], want_cos) and torch.equal(sin[3 * j : 3 * j + 3], want_sin)

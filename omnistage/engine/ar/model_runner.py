@@ -76,6 +76,16 @@ class _Packed:
     row_spans: list[tuple[int, int]]
 
 
+def burst_positions(tables: torch.Tensor, pos: torch.Tensor, rope: torch.Tensor, ahead: torch.Tensor,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode burst's per-step cache slots, context lengths and rotary positions, [steps, rows] each, for rows
+    at positions `pos` (rotary `rope`) before the burst, block tables `tables` [rows, width], `ahead` = [steps, 1]
+    steps past the first: all steps' in a few kernels rather than a few kernels per step."""
+    at = pos[None] + ahead
+    slots = tables.gather(1, (at // block_size).t()).t().long() * block_size + at % block_size
+    return slots.contiguous(), at + 1, rope[None] + ahead
+
+
 def _bucket_sizes(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
     return sizes + [max_batch]
@@ -437,9 +447,7 @@ class ModelRunner:
                 ids, rope, pos = self._burst_inputs[:, :size]
                 tables = self._dev_tables[:size]
                 # every step's slots, lengths, positions and rotary tables at once, not a few kernels per step
-                at = pos[None] + ahead  # [steps, size]
-                slots = (tables.gather(1, (at // bs).t()).t().long() * bs + at % bs).contiguous()
-                lens, ropes = at + 1, rope[None] + ahead
+                slots, lens, ropes = burst_positions(tables, pos, rope, ahead, bs)
                 rotary = rotary_tables(ropes.flatten()) if rotary_tables is not None else None
                 for j in range(steps):
                     meta = AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=slots[j], block_tables=tables,
