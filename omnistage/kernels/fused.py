@@ -106,10 +106,16 @@ if triton is not None:
         dst = Y + heads[:, None] * stride_yh + d[None, :]
         x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
-        y1 = (x1 * cos1[None, :] - x2 * sin1[None, :]).to(X.dtype.element_ty)
-        y2 = (x2 * cos2[None, :] + x1 * sin2[None, :]).to(X.dtype.element_ty)
+        y1, y2 = rotate_half_pair(x1, x2, cos1[None, :], cos2[None, :], sin1[None, :], sin2[None, :])
+        y1, y2 = y1.to(X.dtype.element_ty), y2.to(X.dtype.element_ty)
         tl.store(dst, y1.to(Y.dtype.element_ty), mask=ok)
         tl.store(dst + HALF, y2.to(Y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def rotate_half_pair(x1, x2, cos1, cos2, sin1, sin2):
+        """Rotate-half rotary of a head's first-half features x1 and second-half features x2, in float32: also
+        the fused QKV GEMM's epilogue (skinny_gemm), so both round alike."""
+        return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
 
     @triton.jit
     def _load_cos_sin(COS, SIN, tok, stride_c, HALF: tl.constexpr):

@@ -35,6 +35,11 @@ from omnistage.kernels import pdl
 from omnistage.kernels.fused import rotary_kv_write, silu_mul
 
 try:
+    from omnistage.kernels.fused import rotate_half_pair
+except ImportError:  # no Triton
+    rotate_half_pair = None
+
+try:
     import triton
     import triton.language as tl
 except ImportError:  # Triton is needed only on CUDA
@@ -137,8 +142,8 @@ if triton is not None:
         sin1 = tl.load(SIN + table, mask=m_ok, other=0.0).to(tl.float32)
         sin2 = tl.load(SIN + table + half, mask=m_ok, other=0.0).to(tl.float32)
         is_v = (head >= q_heads + kv_heads)[None, :]
-        y1 = tl.where(is_v, x1, x1 * cos1 - x2 * sin1).to(dtype)
-        y2 = tl.where(is_v, x2, x2 * cos2 + x1 * sin2).to(dtype)
+        r1, r2 = rotate_half_pair(x1, x2, cos1, cos2, sin1, sin2)
+        y1, y2 = tl.where(is_v, x1, r1).to(dtype), tl.where(is_v, x2, r2).to(dtype)
         is_q = (head < q_heads)[None, :]
         q = Q + m[:, None] * stride_qm + (head * HEAD_DIM + d)[None, :]
         tl.store(q, y1.to(Q.dtype.element_ty), mask=m_ok & pair_ok & is_q)

@@ -138,8 +138,9 @@ def _decode_split_kernel(
     its visible keys. A slice past the context leaves the neutral partial (sum 0, max -1e30, acc 0).
 
     The slice's first block of keys and values is read before the PDL wait, all but the newest key: the
-    kernel before this one (the rotary's cache write) stores that one; the step's metadata and older keys
-    were written by kernels finished before this one launched (omnistage/kernels/pdl.py)."""
+    kernel before this one (the QKV GEMM with the rotary, or the rotary's cache write) stores that one; the
+    step's metadata and older keys were written by kernels finished before this one launched
+    (omnistage/kernels/pdl.py)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
