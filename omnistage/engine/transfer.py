@@ -17,21 +17,43 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`tensors` on the host, waited for once. From CUDA through pinned memory and an event: a copy into pageable
+class Passed:
+    """A mark in a device queue already passed (the work ran on the host): what a CUDA event is otherwise."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class HostCopy:
+    """Copies of `tensors` to the host, launched on the current stream; `done` (a CUDA event) marks when they
+    have landed, `wait()` returns them. From CUDA through pinned memory and an event: a copy into pageable
     memory waits inside the driver for its stream to get there, and other threads' CUDA calls on the device
     (another stage's event records and graph launches) can wait behind it all that time (run 12: the talker's
     steps stalled for whole flow-matching solves of token2wav, whose audio left that way). The results are
     ordinary host tensors: the pinned blocks go back to PyTorch's host cache."""
-    if not any(t.device.type == "cuda" for t in tensors):
-        return [t.cpu() for t in tensors]
-    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for host, tensor in zip(pinned, tensors, strict=True):
-        host.copy_(tensor, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(next(t.device for t in tensors if t.device.type == "cuda")))
-    done.synchronize()
-    return [host.clone() for host in pinned]
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        device = next((t.device for t in tensors if t.device.type == "cuda"), None)
+        if device is None:
+            self.host, self.done = [t.cpu() for t in tensors], Passed()
+            return
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, tensor in zip(self.host, tensors, strict=True):
+            host.copy_(tensor, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record(torch.cuda.current_stream(device))
+
+    def wait(self) -> list[torch.Tensor]:
+        self.done.synchronize()
+        return self.host if isinstance(self.done, Passed) else [host.clone() for host in self.host]
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` on the host, waited for once (see HostCopy)."""
+    return HostCopy(tensors).wait()
 
 
 def host_list(tensor: torch.Tensor) -> list:

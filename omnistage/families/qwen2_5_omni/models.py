@@ -33,8 +33,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers.initialization import no_init_weights
 
+from omnistage.engine.generation.engine import InFlight
 from omnistage.engine.generation.graphs import BatchGraphs
-from omnistage.engine.transfer import to_device, to_host
+from omnistage.engine.transfer import HostCopy, to_device
 from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
@@ -244,7 +245,8 @@ class Token2Wav:
     `tf32`: the DiT's float32 matmuls on TensorFloat-32 tensor cores (faster, a little less exact).
     `cublas_sm_carveout`: SMs the solve's cuBLAS matmuls leave to the other stages (`matmul_sm_carveout`) in
     batches of up to `carveout_max_batch` windows (None: every batch): latency where few requests speak, with
-    the larger batches of a busy server left at full speed.
+    the larger batches of a busy server left at full speed. `overlap_vocoder` (CUDA): the vocoder runs on a
+    stream of its own, beside the next solve (see `generate`).
     """
 
     HOP = 240  # waveform samples per mel frame
@@ -255,7 +257,7 @@ class Token2Wav:
                  right: int | None = None, max_window: int | None = None, vocoder_context: int = 16,
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
                  use_graphs: bool = True, max_batch: int = 16, tf32: bool = False, kept_context: bool = True,
-                 cublas_sm_carveout: int = 0, carveout_max_batch: int | None = None):
+                 cublas_sm_carveout: int = 0, carveout_max_batch: int | None = None, overlap_vocoder: bool = True):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
         self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder stays in float32 whatever this is
@@ -282,7 +284,11 @@ class Token2Wav:
         if device.type == "cuda":
             fuse_activations(model.code2wav_bigvgan_model)  # two Triton kernels per anti-aliased activation
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
-        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared: graphs replay one at a time
+        # Graphs replayed one at a time share a memory pool; the vocoder's overlap the next solve: a pool apart.
+        self.overlap_vocoder = overlap_vocoder and device.type == "cuda"
+        self._side: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # (the stage's stream, the vocoder's)
+        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        vocoder_pool = torch.cuda.graph_pool_handle() if self.use_graphs and self.overlap_vocoder else pool
         self.cublas_sm_carveout = cublas_sm_carveout if device.type == "cuda" else 0
         self.carveout_max_batch = carveout_max_batch
 
@@ -293,7 +299,7 @@ class Token2Wav:
 
         self.solve = BatchGraphs(self.solver.solve, max_batch, key_input=1, pool=pool, context=solve_context)
         # no carveout for the vocoder: its convolutions are cuDNN's, which it does not reach (run 18d)
-        self.vocode = BatchGraphs(self._vocode, max_batch, pool=pool)
+        self.vocode = BatchGraphs(self._vocode, max_batch, pool=vocoder_pool)
         self.solve_lengths: list[int] = []  # codes per window the solve has graphs for (warm_up)
         self._window_at: dict[int, int] = {}  # _next_window's answers
 
@@ -364,10 +370,19 @@ class Token2Wav:
         done = inp.params.get("emitted", 0)
         return inp.final or (self.window > 0 and len(inp.token_ids) - done >= self._next_window(done) + self.right)
 
-    @torch.inference_mode()
     def generate(self, inputs: list[StageInput]) -> list[tuple[dict[str, torch.Tensor], bool]]:
+        """`launch`, waited for: each input's (output tensors, finished)."""
+        flight = self.launch(inputs)
+        return list(zip(flight.collect(), flight.finished, strict=True))
+
+    @torch.inference_mode()
+    def launch(self, inputs: list[StageInput]) -> InFlight:
         """One flow-matching solve per group of same-length windows and one vocoder pass per group of
-        same-length mel spans: both batch, and at small batches cost about as much as one."""
+        same-length mel spans: both batch, and at small batches cost about as much as one. Returns once the
+        work is queued on the device (the GenerationEngine collects the audio when it has landed). With
+        `overlap_vocoder` (CUDA) the vocoder passes and the audio's copy to the host run on a stream of their
+        own, and the batch is `busy` only until its solves are done: the engine can launch a request's next
+        window, whose solve needs only this solve's kept context, while the vocoder still works on this one."""
         plans = {i: plan for i, inp in enumerate(inputs) if (plan := self._plan(inp)) is not None}
         lengths = {i: self._solve_length(end - start) for i, (start, _, end) in plans.items()}
         mels = self._grouped(plans, lambda i: lengths[i], lambda members: self._mels(
@@ -375,23 +390,50 @@ class Token2Wav:
         r = self.dit.repeats
         spans = {i: self._vocoder_span(inputs[i].params.get("emitted", 0), plan) for i, plan in plans.items()}
         vocoder_mels = {i: self._vocoder_mel(inputs[i], plans[i], spans[i], mels[i]) for i in plans}
-        waves = self._grouped(plans, lambda i: spans[i][1] - spans[i][0],
-                              lambda members: self.vocode(torch.cat([vocoder_mels[i] for i in members])))
-        audio = {}
-        for i, inp in enumerate(inputs):
-            if i not in plans:
-                continue
-            done, (_, keep_end, _), lo = inp.params.get("emitted", 0), plans[i], spans[i][0]
-            first = (done * r - lo) * self.HOP
+        samples = {}  # per window: (first sample kept, how many)
+        for i, (_, keep_end, _) in plans.items():
+            inp, lo = inputs[i], spans[i][0]
+            done = inp.params.get("emitted", 0)
+            samples[i] = ((done * r - lo) * self.HOP, (keep_end - done) * r * self.HOP)
             inp.params["emitted"] = keep_end
             if self.kept_context and self.vocoder_context:  # the next window's vocoder context on the left
                 kept_mel = vocoder_mels[i][:, :, : keep_end * r - lo]
                 inp.params["mel_tail"] = kept_mel[:, :, max(0, kept_mel.shape[-1] - self.vocoder_context) :]
-            audio[i] = waves[i][first : first + (keep_end - done) * r * self.HOP]
-        audio = dict(zip(audio, to_host(list(audio.values())), strict=True))  # one wait, other stages unblocked
-        return [({"audio": audio.get(i, torch.zeros(0))},
-                 inp.final and (i not in plans or inp.params["emitted"] == len(inp.token_ids)))
-                for i, inp in enumerate(inputs)]
+        finished = [inp.final and (i not in plans or inp.params["emitted"] == len(inp.token_ids))
+                    for i, inp in enumerate(inputs)]
+        groups: dict[int, list[int]] = {}  # the vocoder's batches: windows with as many mel frames
+        for i in plans:
+            groups.setdefault(spans[i][1] - spans[i][0], []).append(i)
+        batches = [(members, torch.cat([vocoder_mels[i] for i in members])) for members in groups.values()]
+        busy, side = self._vocoder_stream()
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            audio = {}
+            for members, mel in batches:
+                if side is not None:
+                    mel.record_stream(side)  # made on the solve's stream, read on this one
+                for i, wave in zip(members, self.vocode(mel), strict=True):
+                    first, count = samples[i]
+                    audio[i] = wave[first : first + count]
+            copy = HostCopy(list(audio.values()))  # through pinned memory: waiting on it holds up no other stage
+
+        def collect() -> list[dict[str, torch.Tensor]]:
+            landed = dict(zip(audio, copy.wait(), strict=True))
+            return [{"audio": landed.get(i, torch.zeros(0))} for i in range(len(inputs))]
+
+        return InFlight(finished, copy.done if busy is None else busy, copy.done, collect)
+
+    def _vocoder_stream(self) -> tuple[torch.cuda.Event | None, torch.cuda.Stream | None]:
+        """With `overlap_vocoder` on CUDA: an event after the solves on the current stream, and the vocoder's
+        stream (the current one's priority), made to wait for it. Otherwise (None, None)."""
+        if not self.overlap_vocoder:
+            return None, None
+        current = torch.cuda.current_stream(self.device)
+        if self._side is None or self._side[0] != current:
+            self._side = current, torch.cuda.Stream(self.device, priority=current.priority)
+        solved = torch.cuda.Event()
+        solved.record(current)
+        self._side[1].wait_event(solved)
+        return solved, self._side[1]
 
     @staticmethod
     def _grouped(items: dict[int, Any], key: Callable[[int], int], run: Callable[[list[int]], Any]

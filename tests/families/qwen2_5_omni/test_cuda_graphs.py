@@ -6,6 +6,7 @@
 - token2wav's captured flow-matching solves, replayed for other requests (other voices and codes)
   of the same window shapes, alone and in a batch split over several graphs, give the same audio as
   eager solves.
+- token2wav's vocoder on its own stream beside the next window's solve gives the same audio.
 - Inline stages, each on its own CUDA stream, give the same text, codes and audio as stages in their
   own processes.
 """
@@ -99,6 +100,39 @@ def test_token2wav_graph_replays_equal_eager_solves(tiny_qwen2_5_omni: str) -> N
     for got, expected in zip(first_windows(graphs), first_windows(eager), strict=True):
         assert got.size > 0
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [WINDOWS, {"window": 12, "max_window": 24, "vocoder_context": 8}],
+                         ids=["left_context", "kept_context"])
+def test_token2wav_vocoder_beside_the_next_solve_keeps_the_audio(tiny_qwen2_5_omni: str, options: dict) -> None:
+    """overlap_vocoder: every window of a request launched before any audio is collected (each solve queued
+    while earlier vocoder passes may still run on their own stream) gives the audio each window waited for."""
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.families.qwen2_5_omni import models
+
+    path, device = Path(tiny_qwen2_5_omni), torch.device("cuda")
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    model, voices = models.load_token2wav(path, config, device), models.load_voices(path)
+    codes = torch.randint(0, config.dit_config.num_embeds - 1, (61,), generator=torch.Generator().manual_seed(0))
+
+    def stream(decoder: models.Token2Wav) -> np.ndarray:
+        decoder.warm_up()
+        inp, flights = StageInput("r", [], params={"voice": "Ethan", "seed": 0}, final=False), []
+        for n in range(1, len(codes) + 1):
+            inp.token_ids, inp.final = codes[:n].tolist(), n == len(codes)
+            if decoder.ready(inp):
+                flights.append(decoder.launch([inp]))
+        assert flights[-1].finished == [True] and len(flights) > 3
+        return np.concatenate([flight.collect()[0]["audio"].numpy() for flight in flights])
+
+    waited = models.Token2Wav(model, voices, device, overlap_vocoder=False, **options)
+    beside = models.Token2Wav(model, voices, device, overlap_vocoder=True, **options)
+    expected, got = stream(waited), stream(beside)
+    assert waited._side is None and beside._side is not None  # the vocoder had a stream of its own
+    assert beside._side[1].priority == torch.cuda.current_stream().priority
+    assert got.shape == expected.shape and got.size > 0
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_inline_stage_streams_equal_stage_processes(tiny_qwen2_5_omni: str) -> None:
