@@ -256,8 +256,9 @@ TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolea
              None),
     "cublas_sm_carveout": ("SMs the DiT's cuBLAS matmuls leave free for the other stages' kernels", 0),
     "carveout_max_batch": ("the largest batch of windows cublas_sm_carveout applies to (default: all)", 1),
-    "overlap_vocoder": ("true (default): on CUDA the vocoder runs on a stream of its own, so a request's next "
-                        "window is solved while the last one is vocoded", None),
+    "overlap_vocoder_max_batch": ("on CUDA, the vocoder of a batch of up to this many windows runs on a stream "
+                                  "of its own, so a request's next window is solved while the last one is "
+                                  "vocoded; 0: never (default: 2)", 0),
 }
 
 

@@ -105,7 +105,7 @@ def test_token2wav_graph_replays_equal_eager_solves(tiny_qwen2_5_omni: str) -> N
 @pytest.mark.parametrize("options", [WINDOWS, {"window": 12, "max_window": 24, "vocoder_context": 8}],
                          ids=["left_context", "kept_context"])
 def test_token2wav_vocoder_beside_the_next_solve_keeps_the_audio(tiny_qwen2_5_omni: str, options: dict) -> None:
-    """overlap_vocoder: every window of a request launched before any audio is collected (each solve queued
+    """overlap_vocoder_max_batch: every window of a request launched before any audio is collected (each solve queued
     while earlier vocoder passes may still run on their own stream) gives the audio each window waited for."""
     from transformers import Qwen2_5OmniConfig
 
@@ -126,8 +126,8 @@ def test_token2wav_vocoder_beside_the_next_solve_keeps_the_audio(tiny_qwen2_5_om
         assert flights[-1].finished == [True] and len(flights) > 3
         return np.concatenate([flight.collect()[0]["audio"].numpy() for flight in flights])
 
-    waited = models.Token2Wav(model, voices, device, overlap_vocoder=False, **options)
-    beside = models.Token2Wav(model, voices, device, overlap_vocoder=True, **options)
+    waited = models.Token2Wav(model, voices, device, overlap_vocoder_max_batch=0, **options)
+    beside = models.Token2Wav(model, voices, device, overlap_vocoder_max_batch=1, **options)
     expected, got = stream(waited), stream(beside)
     assert waited._side is None and beside._side is not None  # the vocoder had a stream of its own
     assert beside._side[1].priority == torch.cuda.current_stream().priority
