@@ -298,7 +298,8 @@ class Qwen25OmniFamily:
                 "talker": {"gpu_memory_utilization": 0.25, "default_sampling_params": talker,
                            "overlap_sampled": True, "decode_burst": 8},
                 "token2wav": {"max_num_seqs": 32, "options": {"window": 48, "max_window": 192, "cublas_sm_carveout": 32,
-                                                              "carveout_max_batch": 2}},
+                                                              "carveout_max_batch": 2,
+                                                              "overlap_vocoder_max_batch": 2}},
             },
         }
 

@@ -17,7 +17,8 @@ pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchv
 def test_defaults_stream_speech_from_stages_sharing_one_device(tiny_qwen2_5_omni: str) -> None:
     deploy = build_pipeline(tiny_qwen2_5_omni).deploy
     assert deploy.worker_backend == "inline" and deploy.async_chunk
-    carveout = {"cublas_sm_carveout": 32, "carveout_max_batch": 2}  # small solves leave SMs to the talker
+    # small solves leave SMs to the talker, and small batches' vocoder passes run beside the next solve
+    carveout = {"cublas_sm_carveout": 32, "carveout_max_batch": 2, "overlap_vocoder_max_batch": 2}
     assert deploy.stage("token2wav").options == {"window": 48, "max_window": 192, **carveout}
     assert deploy.stage("token2wav").max_num_seqs == 32
     shares = {name: deploy.stage(name).gpu_memory_utilization for name in ("thinker", "talker")}
@@ -40,7 +41,7 @@ def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) 
                                                 "stages": {"token2wav": {"options": {"window": 96}}}}).deploy
     assert deploy.worker_backend == "process"
     assert deploy.stage("token2wav").options == {"window": 96, "max_window": 192, "cublas_sm_carveout": 32,
-                                                  "carveout_max_batch": 2}
+                                                  "carveout_max_batch": 2, "overlap_vocoder_max_batch": 2}
     from transformers import Qwen2_5OmniConfig
 
     path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
@@ -60,6 +61,8 @@ def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) 
     ({"tf32": "yes"}, "stages.token2wav.options.tf32: expected true or false, got 'yes'"),
     ({"cublas_sm_carveout": -8}, "stages.token2wav.options.cublas_sm_carveout: expected an integer >= 0, got -8"),
     ({"carveout_max_batch": 0}, "stages.token2wav.options.carveout_max_batch: expected an integer >= 1, got 0"),
+    ({"overlap_vocoder_max_batch": True},
+     "stages.token2wav.options.overlap_vocoder_max_batch: expected an integer >= 0, got True"),
 ])
 def test_bad_token2wav_options_fail_at_start_up_naming_the_field(tiny_qwen2_5_omni: str, options: dict,
                                                                  message: str) -> None:
