@@ -65,7 +65,7 @@ def _concat(first: StageInput, chunk: StageInput) -> StageInput:
 
 @dataclass
 class _Launched:
-    request_ids: list[str]
+    request_ids: list[str | None]  # None: aborted since
     finished: list[bool]
     flight: InFlight | None = None  # None: the outputs are already here
     outputs: list[dict[str, torch.Tensor]] = field(default_factory=list)

@@ -126,6 +126,16 @@ def test_token2wav_vocoder_beside_the_next_solve_keeps_the_audio(tiny_qwen2_5_om
         assert flights[-1].finished == [True] and len(flights) > 3
         return np.concatenate([flight.collect()[0]["audio"].numpy() for flight in flights])
 
+    def first_windows(decoder: models.Token2Wav) -> list[np.ndarray]:
+        """One request's first window (overlapped), then three others' in one batch (above the limit: busy until
+        its audio is out), launched before the first is collected: one vocoder length, one set of graph buffers."""
+        inputs = [StageInput(f"f{i}", codes[i : i + 30].tolist(), params={"voice": "Chelsie", "seed": i}, final=False)
+                  for i in range(4)]
+        flights = [decoder.launch(inputs[:1]), decoder.launch(inputs[1:])]
+        assert (flights[0].busy is not flights[0].done) == bool(decoder.overlap_vocoder_max_batch)
+        assert flights[1].busy is flights[1].done
+        return [tensors["audio"].numpy() for flight in flights for tensors in flight.collect()]
+
     waited = models.Token2Wav(model, voices, device, overlap_vocoder_max_batch=0, **options)
     beside = models.Token2Wav(model, voices, device, overlap_vocoder_max_batch=1, **options)
     expected, got = stream(waited), stream(beside)
@@ -133,6 +143,9 @@ def test_token2wav_vocoder_beside_the_next_solve_keeps_the_audio(tiny_qwen2_5_om
     assert beside._side[1].priority == torch.cuda.current_stream().priority
     assert got.shape == expected.shape and got.size > 0
     np.testing.assert_array_equal(got, expected)
+    for got, expected in zip(first_windows(beside), first_windows(waited), strict=True):
+        assert got.size > 0
+        np.testing.assert_array_equal(got, expected)
 
 
 def test_inline_stage_streams_equal_stage_processes(tiny_qwen2_5_omni: str) -> None:
