@@ -8,6 +8,11 @@ beside the talker, so the talker's codes in that phase cost 0.71 ms each against
     python benchmarks/thinker_phase.py --checkpoint /tmp/omni --out phase.jsonl     # GPU; omni_qwen2_5.py writes it
     OMNISTAGE_PDL=0 python benchmarks/thinker_phase.py --checkpoint /tmp/omni        # the same without PDL
     python benchmarks/thinker_phase.py --tiny                                        # CPU smoke run
+    python benchmarks/thinker_phase.py --checkpoint /tmp/omni --engine-only          # the thinker's engine alone
+
+`--engine-only` steps the thinker's engine by itself (no talker, no other stage, no server loop) on a speech
+request's input, with and without the hidden states the talker needs: what handing them on costs the thinker,
+apart from the talker's GPU work beside it.
 """
 
 from __future__ import annotations
@@ -45,12 +50,43 @@ async def one_request(engine: AsyncOmni, params: dict, modalities: tuple[str, ..
             "e2e_s": round(time.perf_counter() - start, 4), "audio_chunks_s": chunks}
 
 
+def engine_only(path: Path, deploy: dict, params: dict, requests: int, record) -> None:
+    """The thinker's AR engine stepped alone on a speech request's input: ms a token with the hidden states the
+    talker needs (`hidden`) and without (`plain`), alternating."""
+    from omnistage.runtime.launch import build_pipeline
+
+    pipeline = build_pipeline(path, deploy)
+    engine = pipeline.build_engine("thinker")
+    try:
+        for n in range(requests + 1):  # the first pair warms up
+            for hidden in (True, False):
+                request = OmniRequest(request_id=f"e{n}{hidden}", messages=[{"role": "user", "content": PROMPT}],
+                                      stage_params=params, output_modalities=("text", "audio"),
+                                      options={"voice": "Chelsie"})
+                inp = pipeline.preprocess(request)
+                inp.return_hidden_states = hidden
+                engine.add_request(inp)
+                times = []
+                start = time.perf_counter()
+                while engine.has_work():
+                    for out in engine.step():
+                        if out.token_ids:
+                            times.append(time.perf_counter() - start)
+                if n:
+                    record(part="thinker_engine", request="hidden" if hidden else "plain", tokens=len(times),
+                           ms_per_token=round(1000 * (times[-1] - times[0]) / (len(times) - 1), 3))
+    finally:
+        engine.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--checkpoint", type=Path, help="a full-size checkpoint (omni_qwen2_5.py writes one)")
     ap.add_argument("--requests", type=int, default=3, help="of each kind, alternating")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a deploy-config field")
+    ap.add_argument("--engine-only", action="store_true", help="the thinker's engine alone, with and without the "
+                    "hidden states the talker needs")
     ap.add_argument("--out")
     args = ap.parse_args()
     record = recorder(args.out)
@@ -62,6 +98,9 @@ def main() -> None:
     deploy["stages"]["token2wav"].update(max_num_seqs=1, dtype="bfloat16")
     settings = parse_settings(args.set)
     apply_settings(deploy, settings)
+    if args.engine_only:
+        engine_only(path, deploy, params, args.requests, record)
+        return
     engine = AsyncOmni(path, deploy)
     try:
         kinds = {"text": ("text",), "speech": ("text", "audio")}
