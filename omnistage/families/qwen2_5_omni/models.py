@@ -245,8 +245,9 @@ class Token2Wav:
     `tf32`: the DiT's float32 matmuls on TensorFloat-32 tensor cores (faster, a little less exact).
     `cublas_sm_carveout`: SMs the solve's cuBLAS matmuls leave to the other stages (`matmul_sm_carveout`) in
     batches of up to `carveout_max_batch` windows (None: every batch): latency where few requests speak, with
-    the larger batches of a busy server left at full speed. `overlap_vocoder_max_batch` (CUDA): the vocoder of
-    a batch of up to that many windows runs on a stream of its own, beside the next solve (see `launch`).
+    the larger batches of a busy server left at full speed. `overlap_vocoder_max_batch` > 0 (CUDA): the vocoder
+    runs on a stream of its own, and after a batch of up to that many windows the next solve starts beside it
+    (see `launch`).
     """
 
     HOP = 240  # waveform samples per mel frame
