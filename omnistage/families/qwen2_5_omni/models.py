@@ -406,19 +406,19 @@ class Token2Wav:
                 inp.params["mel_tail"] = kept_mel[:, :, max(0, kept_mel.shape[-1] - self.vocoder_context) :]
         finished = [inp.final and (i not in plans or inp.params["emitted"] == len(inp.token_ids))
                     for i, inp in enumerate(inputs)]
-        groups: dict[int, list[int]] = {}  # the vocoder's batches: windows with as many mel frames
-        for i in plans:
-            groups.setdefault(spans[i][1] - spans[i][0], []).append(i)
-        batches = [(members, torch.cat([vocoder_mels[i] for i in members])) for members in groups.values()]
         solved, side = self._vocoder_stream()
+
+        def vocode(members: list[int]) -> torch.Tensor:
+            mel = torch.cat([vocoder_mels[i] for i in members])  # on the solve's stream
+            if side is None:
+                return self.vocode(mel)
+            mel.record_stream(side)  # read on the vocoder's
+            with torch.cuda.stream(side):
+                return self.vocode(mel)
+
+        waves = self._grouped(plans, lambda i: spans[i][1] - spans[i][0], vocode)
+        audio = {i: waves[i][first : first + count] for i, (first, count) in samples.items()}
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            audio = {}
-            for members, mel in batches:
-                if side is not None:
-                    mel.record_stream(side)  # made on the solve's stream, read on this one
-                for i, wave in zip(members, self.vocode(mel), strict=True):
-                    first, count = samples[i]
-                    audio[i] = wave[first : first + count]
             copy = HostCopy(list(audio.values()))  # through pinned memory: waiting on it holds up no other stage
 
         def collect() -> list[dict[str, torch.Tensor]]:
