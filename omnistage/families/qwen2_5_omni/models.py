@@ -406,19 +406,18 @@ class Token2Wav:
                 inp.params["mel_tail"] = kept_mel[:, :, max(0, kept_mel.shape[-1] - self.vocoder_context) :]
         finished = [inp.final and (i not in plans or inp.params["emitted"] == len(inp.token_ids))
                     for i, inp in enumerate(inputs)]
+        # the vocoder's batches (windows with as many mel frames), joined on the solve's stream before the event
+        # the vocoder's stream waits for
+        batches = [(members, torch.cat([vocoder_mels[i] for i in members]))
+                   for members in self._groups(plans, lambda i: spans[i][1] - spans[i][0])]
         solved, side = self._vocoder_stream()
-
-        def vocode(members: list[int]) -> torch.Tensor:
-            mel = torch.cat([vocoder_mels[i] for i in members])  # on the solve's stream
-            if side is None:
-                return self.vocode(mel)
-            mel.record_stream(side)  # read on the vocoder's
-            with torch.cuda.stream(side):
-                return self.vocode(mel)
-
-        waves = self._grouped(plans, lambda i: spans[i][1] - spans[i][0], vocode)
-        audio = {i: waves[i][first : first + count] for i, (first, count) in samples.items()}
+        waves = {}
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for members, mel in batches:
+                if side is not None:
+                    mel.record_stream(side)  # made on the solve's stream, read on this one
+                waves.update(zip(members, self.vocode(mel), strict=True))
+            audio = {i: waves[i][first : first + count] for i, (first, count) in samples.items()}
             copy = HostCopy(list(audio.values()))  # through pinned memory: waiting on it holds up no other stage
 
         def collect() -> list[dict[str, torch.Tensor]]:
@@ -447,10 +446,16 @@ class Token2Wav:
     def _grouped(items: dict[int, Any], key: Callable[[int], int], run: Callable[[list[int]], Any]
                  ) -> dict[int, torch.Tensor]:
         """run(members) once per group of items with the same key; its rows go back to the members."""
+        return {i: row for members in Token2Wav._groups(items, key)
+                for i, row in zip(members, run(members), strict=True)}
+
+    @staticmethod
+    def _groups(items: dict[int, Any], key: Callable[[int], int]) -> list[list[int]]:
+        """The items with the same key, in groups, in first-seen order."""
         groups: dict[int, list[int]] = {}
         for i in items:
             groups.setdefault(key(i), []).append(i)
-        return {i: row for members in groups.values() for i, row in zip(members, run(members), strict=True)}
+        return list(groups.values())
 
     def _noise(self, inp: StageInput, frames: int) -> torch.Tensor:
         """The request's starting noise for its first `frames` mel frames, drawn once, extended as needed."""
