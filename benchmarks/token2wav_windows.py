@@ -10,6 +10,7 @@ float32 one (random weights: the speech a trained model makes may react differen
 
     python benchmarks/token2wav_windows.py --out t2w.jsonl              # GPU
     python benchmarks/token2wav_windows.py --tiny                       # the tiny checkpoint's config (CPU)
+    python benchmarks/token2wav_windows.py --lengths --dtypes bfloat16  # one window's solve by its length
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def main() -> None:
                          "window solves its left context again")
     ap.add_argument("--profile", action="store_true",
                     help="instead: per precision, CUDA kernel time of one eager batch-32 step, solve vs vocoder")
+    ap.add_argument("--lengths", action="store_true",
+                    help="instead: one continuing window's solve (graph replay) and vocoder pass at batch 1 for each "
+                         "window length the default windows grow through, up to --max-window, with and without "
+                         "the deploy's SM carveout")
+    ap.add_argument("--max-window", type=int, default=384)
     args = ap.parse_args()
     from transformers import Qwen2_5OmniConfig
 
@@ -86,6 +92,10 @@ def main() -> None:
 
     record = recorder(args.out)
 
+    if args.lengths:
+        for name in args.dtypes.split(","):
+            length_rows(model, voices, device, name, limit, args.max_window, record)
+        return
     if args.profile:
         for name in args.dtypes.split(","):
             profile_step(model, voices, device, name, limit, record)
@@ -155,6 +165,36 @@ def profile_step(model, voices: dict, device: torch.device, name: str, limit: in
             torch.cuda.synchronize()
     record(part="token2wav_profile", dit_dtype=name, batch=batch, window=48, eager_step_ms=round(1000 * seconds, 1),
            eager_solve_ms=round(1000 * solve, 1), eager_vocoder_ms=round(1000 * (time.perf_counter() - start), 1))
+
+
+def length_rows(model, voices: dict, device: torch.device, name: str, limit: int, max_window: int, record) -> None:
+    """Milliseconds of one continuing window's solve and vocoder pass by window length (what a request's last
+    window costs after the talker is done), the matmuls with all SMs and with 32 left free."""
+    dtype, tf32 = (torch.float32, True) if name == "tf32" else (getattr(torch, name), False)
+    model.code2wav_dit_model.to(dtype)
+    for carveout in (0, 32):
+        decoder = models.Token2Wav(model, voices, device, window=48, first_window=24, max_window=max_window,
+                                   tf32=tf32, max_batch=1, cublas_sm_carveout=carveout)
+        decoder.warm_up()
+        for codes in sorted({codes for codes, _ in decoder.window_shapes()}):  # the graphs' lengths on CUDA
+            solve = statistics.median(solve_seconds(decoder, codes, 1, limit) for _ in range(5))
+            frames = (codes - decoder.right) * decoder.dit.repeats + 2 * decoder.vocoder_context
+            mel = torch.zeros(1, decoder.dit.mel_dim, frames, device=device)
+            vocoder = statistics.median(vocode_seconds(decoder, mel) for _ in range(5))
+            record(part="token2wav_length", dit_dtype=name, carveout=carveout, codes=codes,
+                   solve_ms=round(1000 * solve, 2), vocoder_ms=round(1000 * vocoder, 2))
+
+
+def vocode_seconds(decoder: models.Token2Wav, mel: torch.Tensor) -> float:
+    with torch.inference_mode():
+        decoder.vocode(mel)
+        if decoder.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        decoder.vocode(mel)
+        if decoder.device.type == "cuda":
+            torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def hf_sample_seconds(model, voices: dict, codes: int, batch: int, limit: int, tf32: bool) -> float:
