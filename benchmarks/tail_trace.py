@@ -1,0 +1,128 @@
+"""Where one request's last ~100 ms go: host times of every talker step and token2wav launch/landing, and GPU
+times of each window's solve end and vocoder end (timed CUDA events against one recorded at the request's start).
+
+The omni_qwen2_5.py workload at concurrency 1 (128 text tokens, 600 codes), the default deploy config plus
+`--set` overrides. The engines' `step`, `Token2Wav.launch` and `GenerationEngine._landed` are wrapped for the run
+(a diagnostic: nothing in the package changes). One line per request; the first request warms up.
+
+    python benchmarks/tail_trace.py --checkpoint /tmp/omni --out tail.jsonl     # GPU; omni_qwen2_5.py writes it
+    python benchmarks/tail_trace.py --tiny --requests 1                           # CPU smoke run (host times only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from omni_qwen2_5 import DEPLOY, apply_settings, checkpoint_path, one_request, parse_settings, request_params
+
+from omnistage import AsyncOmni
+from omnistage.engine.ar.engine import AREngine
+from omnistage.engine.generation.engine import GenerationEngine
+from omnistage.families.qwen2_5_omni.models import Token2Wav
+
+
+class Trace:
+    """The wrapped methods' events for the request in progress."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.start, self.reference = 0.0, None
+        self.cuda = torch.cuda.is_available()
+
+    def begin(self) -> None:
+        self.events = []
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.reference = torch.cuda.Event(enable_timing=True)
+            self.reference.record()
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def now(self) -> float:
+        return round(time.perf_counter() - self.start, 4)
+
+    def finish(self) -> list[dict]:
+        """The events, with GPU marks as seconds since the request's start."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        for event in self.events:
+            for key, mark in event.pop("marks", {}).items():
+                event[key] = round(self.reference.elapsed_time(mark) / 1000, 4)
+        return self.events
+
+    def install(self) -> None:
+        trace, ar_step, launch, landed = self, AREngine.step, Token2Wav.launch, GenerationEngine._landed
+
+        def traced_step(engine: AREngine):
+            began, outputs = trace.now(), ar_step(engine)
+            tokens = sum(len(out.token_ids) for out in outputs)
+            if tokens or any(out.finished for out in outputs):
+                trace.events.append({"ev": engine.name, "t0": began, "t1": trace.now(), "tokens": tokens,
+                                     "finished": any(out.finished for out in outputs)})
+            return outputs
+
+        def traced_launch(decoder: Token2Wav, inputs):
+            began = trace.now()
+            windows = [(inp.params.get("emitted", 0), len(inp.token_ids), inp.final) for inp in inputs]
+            flight = launch(decoder, inputs)
+            event = {"ev": "launch", "t0": began, "t1": trace.now(), "windows": windows}
+            if trace.cuda:  # after the solves on the stage's stream; after the vocoder on its own (when apart)
+                solved, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                solved.record()
+                done.record(decoder._side[1] if decoder._side else torch.cuda.current_stream())
+                event["marks"] = {"gpu_solved": solved, "gpu_vocoded": done}
+            trace.events.append(event)
+            return flight
+
+        def traced_landed(engine: GenerationEngine):
+            outputs = landed(engine)
+            if outputs:
+                trace.events.append({"ev": "landed", "t": trace.now(),
+                                     "samples": [out.tensors.get("audio", torch.zeros(0)).numel() for out in outputs]})
+            return outputs
+
+        AREngine.step, Token2Wav.launch, GenerationEngine._landed = traced_step, traced_launch, traced_landed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--checkpoint", type=Path, help="a full-size checkpoint (omni_qwen2_5.py writes one)")
+    ap.add_argument("--requests", type=int, default=3, help="one after another; the first warms up")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a deploy-config field")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    path = checkpoint_path(args.tiny, args.checkpoint)
+    settings = parse_settings(args.set)
+    deploy = yaml.safe_load(DEPLOY.read_text())
+    deploy["worker_backend"] = "inline"
+    for name in ("thinker", "talker"):
+        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=1)
+    deploy["stages"]["token2wav"].update(max_num_seqs=1, dtype="bfloat16" if torch.cuda.is_available() else "auto")
+    apply_settings(deploy, settings)
+    trace = Trace()
+    trace.install()
+    params = request_params(path, 128, 600)
+    engine = AsyncOmni(path, deploy)
+    try:
+        for n in range(args.requests):
+            trace.begin()
+            result = asyncio.run(one_request(engine, f"tail{n}", params))
+            row = {"part": "tail_trace", "request": n, "settings": settings, "e2e_s": round(result["e2e"], 4),
+                   "last_text_s": round(result["last_text"], 4), "chunks": result["chunks"], "events": trace.finish()}
+            print(json.dumps({k: v for k, v in row.items() if k != "events"}), flush=True)
+            if args.out:
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
