@@ -67,13 +67,6 @@ def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> 
     return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def resolve_device(devices: str | None) -> torch.device:
-    if devices is None:
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    first = devices.split(",")[0].strip()
-    return torch.device("cpu" if first == "cpu" else f"cuda:{first}")
-
-
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():

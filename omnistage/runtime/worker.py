@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from omnistage.devices import on_device
 from omnistage.engine.base import Engine
 from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import OmniError
@@ -293,7 +294,8 @@ class InlineStageWorker:
 
     def _run(self) -> None:
         try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            device = self.stream.device if self.stream is not None else None
+            with on_device(device), torch.cuda.stream(self.stream) if device is not None else contextlib.nullcontext():
                 self.loop.run()
         except Exception as exc:
             logger.exception("stage %r replica %d crashed", self.stage, self.replica)

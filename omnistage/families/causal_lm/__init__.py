@@ -7,6 +7,7 @@ from typing import Any
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from omnistage.config.deploy import DeployConfig, StageConfig
+from omnistage.devices import resolve_device
 from omnistage.engine.ar.engine import AREngine, AREngineConfig
 from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
@@ -59,7 +60,7 @@ def build_ar_engine(
 ) -> AREngine:
     """Load an HF causal LM checkpoint as the AR engine of `stage`."""
     cfg = pipeline.stage_config(stage)
-    device = hf.resolve_device(devices or cfg.devices)
+    device = resolve_device(devices or cfg.devices)
     model, config = hf.load_causal_lm(pipeline.model_path, cfg.dtype, device)
     tokenizer = hf.load_tokenizer(pipeline.model_path)
     eos = hf.eos_token_ids(pipeline.model_path, config, tokenizer)

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from omnistage.config.deploy import DeployConfig
+from omnistage.devices import resolve_device
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.generation.engine import GenerationEngine
 from omnistage.engine.types import StageInput, StageOutput
@@ -122,7 +123,7 @@ class OmniPipeline(TextPipeline):
         from transformers import Qwen2_5OmniTalkerForConditionalGeneration, Qwen2_5OmniThinkerForConditionalGeneration
 
         cfg = self.stage_config(stage)
-        dev = hf.resolve_device(device or cfg.devices)
+        dev = resolve_device(device or cfg.devices)
         if stage == "thinker":
             thinker_cfg = self.config.thinker_config
             dtype = hf.resolve_dtype(cfg.dtype, thinker_cfg.text_config, dev)

@@ -268,6 +268,28 @@ def test_stages_in_their_own_processes_give_the_same_speech(tiny_qwen2_5_omni: s
     np.testing.assert_allclose(process.audio, inline.audio, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("backend", ["inline", "process"])
+def test_stages_on_two_gpus_give_the_same_speech(tiny_qwen2_5_omni: str, backend: str) -> None:
+    """The thinker on cuda:0, talker and token2wav on cuda:1 (configs/qwen2_5_omni/2gpu.yaml's split) produce what
+    all three on cuda:0 produce. Inline, the talker reads the thinker's states across devices, and each stage's
+    start-up (Triton kernels, graph captures) runs with its own device current."""
+    params = {"thinker": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+              "talker": SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)}
+    outs = []
+    for split in (False, True):
+        stages = {"*": {"max_model_len": 512, **FP32}}
+        if split:
+            stages |= {"thinker": {"devices": "0"}, "talker": {"devices": "1"}, "token2wav": {"devices": "1"}}
+        deploy = {"worker_backend": backend if split else "inline", "async_chunk": True, "stages": stages}
+        with Omni(tiny_qwen2_5_omni, deploy) as omni:
+            outs.append(omni.generate([MESSAGES], params, ("text", "audio"), voice="Chelsie")[0])
+    one, two = outs
+    assert one.error is None and two.error is None
+    assert two.token_ids == one.token_ids and two.audio.shape == one.audio.shape == (40 * 2 * 240,)
+    np.testing.assert_allclose(two.audio, one.audio, rtol=1e-4, atol=1e-5)
+
+
 def test_token2wav_batches_same_length_requests(tiny_qwen2_5_omni: str) -> None:
     """Requests whose codes have the same length share one flow-matching run; each gets what it would
     alone (different voices and seeds included)."""
