@@ -71,7 +71,9 @@ def main() -> None:
                     help="kept: windows continue the previous window's kept context (the default); solved: each "
                          "window solves its left context again")
     ap.add_argument("--profile", action="store_true",
-                    help="instead: per precision, CUDA kernel time of one eager batch-32 step, solve vs vocoder")
+                    help="instead: per precision, CUDA kernel time of one eager step, solve vs vocoder")
+    ap.add_argument("--profile-batch", type=int, default=32, help="windows in the --profile step")
+    ap.add_argument("--profile-window", type=int, default=48, help="codes per window in the --profile step")
     ap.add_argument("--lengths", action="store_true",
                     help="instead: one continuing window's solve (graph replay) and vocoder pass at batch 1 for each "
                          "window length the default windows grow through, up to --max-window, with and without "
@@ -98,7 +100,7 @@ def main() -> None:
         return
     if args.profile:
         for name in args.dtypes.split(","):
-            profile_step(model, voices, device, name, limit, record)
+            profile_step(model, voices, device, name, limit, record, args.profile_batch, args.profile_window)
         return
     reference = None
     for name in args.dtypes.split(","):  # float32 first: lower precisions are rounded from its weights
@@ -137,23 +139,25 @@ def main() -> None:
                    transformers_sample_ms=round(1000 * seconds, 1), omnistage_ms=round(1000 * ours, 1))
 
 
-def profile_step(model, voices: dict, device: torch.device, name: str, limit: int, record, batch: int = 32) -> None:
-    """Where a batch-32 step of 48-code windows spends device time: kernels by total time (eager, so kernels
-    keep their ops' names), and the solve's and vocoder's shares."""
+def profile_step(model, voices: dict, device: torch.device, name: str, limit: int, record, batch: int = 32,
+                 window: int = 48) -> None:
+    """Where a step of `batch` windows of `window` codes spends device time: kernels by total time (eager, so
+    kernels keep their ops' names; their sum against a graph replay's time shows what launches cost), and the
+    solve's and vocoder's shares."""
     from torch.profiler import ProfilerActivity, profile
 
     dtype, tf32 = (torch.float32, True) if name == "tf32" else (getattr(torch, name), False)
     model.code2wav_dit_model.to(dtype)
-    decoder = models.Token2Wav(model, voices, device, window=48, tf32=tf32, use_graphs=False, max_batch=batch)
-    step_seconds(decoder, 48, batch, limit)  # warm-up
+    decoder = models.Token2Wav(model, voices, device, window=window, tf32=tf32, use_graphs=False, max_batch=batch)
+    step_seconds(decoder, window, batch, limit)  # warm-up
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
-        seconds = step_seconds(decoder, 48, batch, limit)
+        seconds = step_seconds(decoder, window, batch, limit)
     table = prof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else
                                       "self_cpu_time_total", row_limit=30)
     print(f"== {name}: eager batch-{batch} step {1000 * seconds:.0f} ms\n{table}", flush=True)
-    solve = solve_seconds(decoder, 48 + decoder.left + decoder.right, batch, limit)
-    mel = torch.zeros(batch, decoder.dit.mel_dim, 48 * decoder.dit.repeats + 2 * decoder.vocoder_context,
+    solve = solve_seconds(decoder, window + decoder.left + decoder.right, batch, limit)
+    mel = torch.zeros(batch, decoder.dit.mel_dim, window * decoder.dit.repeats + 2 * decoder.vocoder_context,
                       device=device)
     with torch.inference_mode():
         decoder.vocode(mel)
@@ -163,7 +167,7 @@ def profile_step(model, voices: dict, device: torch.device, name: str, limit: in
         decoder.vocode(mel)
         if device.type == "cuda":
             torch.cuda.synchronize()
-    record(part="token2wav_profile", dit_dtype=name, batch=batch, window=48, eager_step_ms=round(1000 * seconds, 1),
+    record(part="token2wav_profile", dit_dtype=name, batch=batch, window=window, eager_step_ms=round(1000 * seconds, 1),
            eager_solve_ms=round(1000 * solve, 1), eager_vocoder_ms=round(1000 * (time.perf_counter() - start), 1))
 
 
