@@ -252,6 +252,17 @@ def apply_settings(deploy: dict[str, Any], settings: dict[str, Any]) -> None:
             stage.pop("gpu_memory_utilization", None)
 
 
+def one_at_a_time_deploy(settings: dict[str, Any]) -> dict[str, Any]:
+    """The default deploy config sized for one request at a time (the bfloat16 DiT), `--set` overrides applied:
+    what the c=1 probes (thinker_phase.py, tail_trace.py) run."""
+    deploy = yaml.safe_load(DEPLOY.read_text())
+    for name in ("thinker", "talker"):
+        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=1)
+    deploy["stages"]["token2wav"].update(max_num_seqs=1, dtype="bfloat16")
+    apply_settings(deploy, settings)
+    return deploy
+
+
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
          backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,

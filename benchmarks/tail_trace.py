@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 
 import torch
-import yaml
-from omni_qwen2_5 import DEPLOY, apply_settings, checkpoint_path, one_request, parse_settings, request_params
+from omni_qwen2_5 import checkpoint_path, one_at_a_time_deploy, one_request, parse_settings, request_params
+from recording import recorder
 
 from omnistage import AsyncOmni
 from omnistage.engine.ar.engine import AREngine
@@ -96,16 +95,12 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, help="a full-size checkpoint (omni_qwen2_5.py writes one)")
     ap.add_argument("--requests", type=int, default=3, help="one after another; the first warms up")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a deploy-config field")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out")
     args = ap.parse_args()
     path = checkpoint_path(args.tiny, args.checkpoint)
     settings = parse_settings(args.set)
-    deploy = yaml.safe_load(DEPLOY.read_text())
-    deploy["worker_backend"] = "inline"
-    for name in ("thinker", "talker"):
-        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=1)
-    deploy["stages"]["token2wav"].update(max_num_seqs=1, dtype="bfloat16" if torch.cuda.is_available() else "auto")
-    apply_settings(deploy, settings)
+    deploy = one_at_a_time_deploy(settings)
+    record = recorder(args.out)
     trace = Trace()
     trace.install()
     params = request_params(path, 128, 600)
@@ -114,12 +109,8 @@ def main() -> None:
         for n in range(args.requests):
             trace.begin()
             result = asyncio.run(one_request(engine, f"tail{n}", params))
-            row = {"part": "tail_trace", "request": n, "settings": settings, "e2e_s": round(result["e2e"], 4),
-                   "last_text_s": round(result["last_text"], 4), "chunks": result["chunks"], "events": trace.finish()}
-            print(json.dumps({k: v for k, v in row.items() if k != "events"}), flush=True)
-            if args.out:
-                with args.out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+            record(part="tail_trace", request=n, settings=settings, e2e_s=round(result["e2e"], 4),
+                   last_text_s=round(result["last_text"], 4), chunks=result["chunks"], events=trace.finish())
     finally:
         engine.shutdown()
 

@@ -22,8 +22,7 @@ import asyncio
 import time
 from pathlib import Path
 
-import yaml
-from omni_qwen2_5 import DEPLOY, PROMPT, apply_settings, checkpoint_path, parse_settings, request_params
+from omni_qwen2_5 import PROMPT, checkpoint_path, one_at_a_time_deploy, parse_settings, request_params
 from recording import recorder
 
 from omnistage import AsyncOmni
@@ -92,12 +91,8 @@ def main() -> None:
     record = recorder(args.out)
     path = checkpoint_path(args.tiny, args.checkpoint)
     params = request_params(path, THINKER_TOKENS, CODES)
-    deploy = yaml.safe_load(DEPLOY.read_text())
-    for name in ("thinker", "talker"):
-        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=1)
-    deploy["stages"]["token2wav"].update(max_num_seqs=1, dtype="bfloat16")
     settings = parse_settings(args.set)
-    apply_settings(deploy, settings)
+    deploy = one_at_a_time_deploy(settings)
     if args.engine_only:
         engine_only(path, deploy, params, args.requests, record)
         return
