@@ -13,13 +13,14 @@ on codec ids token2wav can embed, so both sides do the same work.
 Each omnistage row also carries, per stage, its engine steps and mean step time over that wave, and how
 long a listener playing the audio chunks as they arrive would have waited after the first one (stalls).
 omnistage runs with the one-GPU deploy config (configs/qwen2_5_omni/1gpu.yaml: stages inline, a CUDA stream
-each); `--backends process` puts each stage in its own process instead.
+each) or the one `--deploy-config` names; `--backends process` puts each stage in its own process instead.
 
     python benchmarks/omni_qwen2_5.py --out omni.jsonl            # full size (GPU)
     python benchmarks/omni_qwen2_5.py --checkpoint /tmp/omni      # write it once, reuse it later
     python benchmarks/omni_qwen2_5.py --parts ours --token2wav-dtype bfloat16   # the bf16 DiT
     python benchmarks/omni_qwen2_5.py --parts ours --tf32                       # the TF32 DiT
     python benchmarks/omni_qwen2_5.py --parts ours --backends inline,process    # both backends
+    python benchmarks/omni_qwen2_5.py --parts ours --deploy-config configs/qwen2_5_omni/2gpu.yaml   # two GPUs
     python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
 
 token2wav alone (window sizes, batches, DiT precision): benchmarks/token2wav_windows.py; the talker alone:
@@ -264,13 +265,14 @@ def one_at_a_time_deploy(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
-         backend: str = "process", wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
+         backend: str | None = None, wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
          overlap_decode: bool = True, overlap_sampled: bool | None = None, settings: dict[str, Any] | None = None,
-         timeline_out: Path | None = None, gc_compare: bool = False, switch_intervals: list[float] = ()) -> None:
+         timeline_out: Path | None = None, gc_compare: bool = False, switch_intervals: list[float] = (),
+         deploy_config: Path = DEPLOY) -> None:
     params = request_params(path, thinker_tokens, codes)
-    deploy = yaml.safe_load(DEPLOY.read_text())
-    deploy["worker_backend"] = backend
+    deploy = yaml.safe_load(deploy_config.read_text())
+    deploy["worker_backend"] = backend or deploy.get("worker_backend", "inline")
     for name in ("thinker", "talker"):
         deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency), overlap_decode=overlap_decode)
         if overlap_sampled is not None:  # else the deploy config's (on for the talker)
@@ -326,7 +328,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             results = [r for rs, _ in runs for r in rs]
             wall = statistics.median(w for _, w in runs)
             audio = sum(r["audio"] for r in runs[0][0])
-            record(part="omnistage", backend=deploy["worker_backend"], token2wav_dtype=token2wav_dtype, tf32=tf32,
+            record(part="omnistage", deploy_config=deploy_config.name, backend=deploy["worker_backend"],
+                   token2wav_dtype=token2wav_dtype, tf32=tf32,
                    stream_priority=stream_priority, overlap_decode=overlap_decode,
                    overlap_sampled=deploy["stages"]["talker"].get("overlap_sampled", False),
                    decode_burst=deploy["stages"]["talker"].get("decode_burst", 1),
@@ -380,7 +383,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--parts", default="ours,hf", help="ours, hf or both")
-    ap.add_argument("--backends", default="inline", help="omnistage worker backends to run, e.g. inline,process")
+    ap.add_argument("--deploy-config", type=Path, default=DEPLOY,
+                    help="the deploy config omnistage starts from (the benchmark sizes its stages for the waves)")
+    ap.add_argument("--backends", default="", help="omnistage worker backends to run, e.g. inline,process; "
+                    "default: the deploy config's")
     ap.add_argument("--token2wav-dtype", default="auto", help="the DiT's dtype: auto (float32) or bfloat16")
     ap.add_argument("--tf32", action="store_true", help="token2wav's float32 DiT matmuls on TF32 tensor cores")
     ap.add_argument("--stream-priority", choices=["auto", "normal"], default="auto",
@@ -416,7 +422,7 @@ def main() -> None:
         thinker_tokens, codes = 128, 600
     concurrency = [int(c) for c in args.concurrency.split(",")]
     if "ours" in args.parts:
-        for backend in args.backends.split(","):
+        for backend in args.backends.split(",") if args.backends else [None]:
             try:
                 ours(path, thinker_tokens, codes, concurrency, record, backend, args.wave_timeout,
                      token2wav_dtype=args.token2wav_dtype, tf32=args.tf32, stream_priority=args.stream_priority,
@@ -424,7 +430,8 @@ def main() -> None:
                      overlap_sampled=None if args.overlap_sampled is None else args.overlap_sampled == "on",
                      settings=parse_settings(args.set),
                      timeline_out=args.timeline, gc_compare=args.gc_compare,
-                     switch_intervals=[float(x) for x in args.switch_intervals.split(",") if x])
+                     switch_intervals=[float(x) for x in args.switch_intervals.split(",") if x],
+                     deploy_config=args.deploy_config)
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")

@@ -14,10 +14,12 @@ Every deploy here pins float32, as the references run: on a GPU, `auto` would pi
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from omnistage import Omni, SamplingParams
 from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
@@ -26,6 +28,7 @@ pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchv
 
 THINKER_TOKENS, TALKER_CODES, VOICE = 8, 24, "Ethan"
 FP32 = {"dtype": "float32"}
+TWO_GPUS = Path(__file__).parents[3] / "configs" / "qwen2_5_omni" / "2gpu.yaml"
 MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "Say something nice about rivers."}]}]
 
 
@@ -271,16 +274,17 @@ def test_stages_in_their_own_processes_give_the_same_speech(tiny_qwen2_5_omni: s
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("backend", ["inline", "process"])
 def test_stages_on_two_gpus_give_the_same_speech(tiny_qwen2_5_omni: str, backend: str) -> None:
-    """The thinker on cuda:0, talker and token2wav on cuda:1 (configs/qwen2_5_omni/2gpu.yaml's split) produce what
-    all three on cuda:0 produce. Inline, the talker reads the thinker's states across devices, and each stage's
-    start-up (Triton kernels, graph captures) runs with its own device current."""
+    """configs/qwen2_5_omni/2gpu.yaml's split (the talker on cuda:1, thinker and token2wav on cuda:0) produces what
+    all three on cuda:0 produce. Inline, hidden states cross from cuda:0 to cuda:1 and codes back, and each
+    stage's start-up (Triton kernels, graph captures) runs with its own device current."""
+    shipped = yaml.safe_load(TWO_GPUS.read_text())["stages"]
+    devices = {name: {"devices": stage["devices"]} for name, stage in shipped.items()}
+    assert {d["devices"] for d in devices.values()} == {"0", "1"}  # the config does use both
     params = {"thinker": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)}
     outs = []
     for split in (False, True):
-        stages = {"*": {"max_model_len": 512, **FP32}}
-        if split:
-            stages |= {"thinker": {"devices": "0"}, "talker": {"devices": "1"}, "token2wav": {"devices": "1"}}
+        stages = {"*": {"max_model_len": 512, **FP32}} | (devices if split else {})
         deploy = {"worker_backend": backend if split else "inline", "async_chunk": True, "stages": stages}
         with Omni(tiny_qwen2_5_omni, deploy) as omni:
             outs.append(omni.generate([MESSAGES], params, ("text", "audio"), voice="Chelsie")[0])
