@@ -287,11 +287,13 @@ class Qwen25OmniFamily:
 
     def default_deploy(self, info: CheckpointInfo) -> dict[str, Any]:
         """What configs/qwen2_5_omni/1gpu.yaml sets, for a server started without a deploy config: the three
-        stages share one device in the server process, each with its memory share; speech streams."""
+        stages share one device in the server process, each with its memory share; speech streams. With two or
+        more GPUs visible, 2gpu.yaml's split instead: the talker alone on cuda:1 (on two H200s one request's
+        RTF 0.096 against 0.107 on one; benchmarks/results/omni_qwen2_5.md, run 23)."""
         # The talker's released sampling settings (transformers' generate defaults); it speaks until its
         # end code or the end of its context (max_tokens None).
         talker = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "max_tokens": None}
-        return {
+        deploy = {
             "worker_backend": "inline",
             "async_chunk": True,
             "stages": {
@@ -303,6 +305,12 @@ class Qwen25OmniFamily:
                                                               "overlap_vocoder_max_batch": 2}},
             },
         }
+        if torch.cuda.device_count() >= 2:
+            stages = deploy["stages"]
+            stages["thinker"].update(devices="0", gpu_memory_utilization=0.65)
+            stages["talker"].update(devices="1", gpu_memory_utilization=0.8)
+            stages["token2wav"]["devices"] = "0"
+        return deploy
 
     def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> OmniPipeline:
         from transformers import Qwen2_5OmniConfig, Qwen2_5OmniProcessor

@@ -1,4 +1,5 @@
-"""Without a deploy config, Qwen2.5-Omni serves the way configs/qwen2_5_omni/1gpu.yaml does."""
+"""Without a deploy config, Qwen2.5-Omni serves the way configs/qwen2_5_omni/1gpu.yaml does (2gpu.yaml's split
+where two or more GPUs are visible)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from omnistage.families.qwen2_5_omni import models
 from omnistage.runtime.launch import build_pipeline
 
 pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchvision (installed by scripts/test)")
+CONFIGS = Path(__file__).parents[3] / "configs" / "qwen2_5_omni"
 
 
-def test_defaults_stream_speech_from_stages_sharing_one_device(tiny_qwen2_5_omni: str) -> None:
+def test_defaults_stream_speech_from_stages_sharing_one_device(tiny_qwen2_5_omni: str, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # what this test pins, on any machine
     deploy = build_pipeline(tiny_qwen2_5_omni).deploy
+    assert all(deploy.stage(name).devices is None for name in ("thinker", "talker", "token2wav"))
     assert deploy.worker_backend == "inline" and deploy.async_chunk
     # small solves leave SMs to the talker, and small batches' vocoder passes run beside the next solve
     carveout = {"cublas_sm_carveout": 32, "carveout_max_batch": 2, "overlap_vocoder_max_batch": 2}
@@ -27,11 +31,30 @@ def test_defaults_stream_speech_from_stages_sharing_one_device(tiny_qwen2_5_omni
     assert deploy.stage("talker").overlap_sampled and not deploy.stage("thinker").overlap_sampled
     assert deploy.stage("talker").decode_burst == 8 and deploy.stage("thinker").decode_burst == 1
 
-    shipped = yaml.safe_load((Path(__file__).parents[3] / "configs" / "qwen2_5_omni" / "1gpu.yaml").read_text())
+    shipped = yaml.safe_load((CONFIGS / "1gpu.yaml").read_text())
     assert shipped["worker_backend"] == deploy.worker_backend and shipped["async_chunk"] == deploy.async_chunk
     assert {k: shipped["stages"]["token2wav"]["options"][k] for k in ("window", "max_window", *carveout)} == {
         "window": 48, "max_window": 192, **carveout}
     assert shipped["stages"]["talker"]["overlap_sampled"] and shipped["stages"]["talker"]["decode_burst"] == 8
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_two_or_more_gpus_default_to_the_two_gpu_split(tiny_qwen2_5_omni: str, monkeypatch, gpus: int) -> None:
+    """With two GPUs or more visible, the defaults are 2gpu.yaml's placement: the talker alone on cuda:1, thinker
+    and token2wav on cuda:0, inline, with its memory shares; the rest as on one GPU. A deploy config still wins."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    deploy = build_pipeline(tiny_qwen2_5_omni).deploy
+    shipped = yaml.safe_load((CONFIGS / "2gpu.yaml").read_text())
+    assert deploy.worker_backend == shipped["worker_backend"] == "inline"
+    for name, stage in shipped["stages"].items():
+        assert deploy.stage(name).devices == stage["devices"], name
+        if "gpu_memory_utilization" in stage:
+            assert deploy.stage(name).gpu_memory_utilization == stage["gpu_memory_utilization"], name
+    options = deploy.stage("token2wav").options
+    assert options == {k: v for k, v in shipped["stages"]["token2wav"]["options"].items() if k in options}
+    assert deploy.stage("talker").decode_burst == 8 and deploy.stage("token2wav").max_num_seqs == 32
+    one = build_pipeline(tiny_qwen2_5_omni, CONFIGS / "1gpu.yaml").deploy
+    assert {one.stage(name).devices for name in ("thinker", "talker", "token2wav")} == {"0"}
 
 
 def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) -> None:
