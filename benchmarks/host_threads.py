@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import yaml
-from omni_qwen2_5 import DEPLOY, codec_limits, one_request, write_full_checkpoint
+from omni_qwen2_5 import DEPLOY, codec_limits, engine_events, one_request, write_full_checkpoint
 
 from omnistage import AsyncOmni, SamplingParams
 
@@ -76,7 +76,7 @@ def main() -> None:
 
     async def wave() -> float:
         start = time.perf_counter()
-        await asyncio.gather(*(one_request(engine, f"r{i}", params) for i in range(args.concurrency)))
+        await asyncio.gather(*(one_request(engine_events(engine, f"r{i}", params)) for i in range(args.concurrency)))
         return time.perf_counter() - start
 
     try:

@@ -21,6 +21,7 @@ each) or the one `--deploy-config` names; `--backends process` puts each stage i
     python benchmarks/omni_qwen2_5.py --parts ours --tf32                       # the TF32 DiT
     python benchmarks/omni_qwen2_5.py --parts ours --backends inline,process    # both backends
     python benchmarks/omni_qwen2_5.py --parts ours --deploy-config configs/qwen2_5_omni/2gpu.yaml   # two GPUs
+    python benchmarks/omni_qwen2_5.py --parts ours --http         # through the real HTTP server
     python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
 
 token2wav alone (window sizes, batches, DiT precision): benchmarks/token2wav_windows.py; the talker alone:
@@ -39,14 +40,19 @@ import sys
 import tempfile
 import time
 import traceback
+from base64 import b64decode
+from collections.abc import AsyncIterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import yaml
 from recording import recorder
 
 from omnistage import AsyncOmni, SamplingParams
+from omnistage.entrypoints.openai.server import BackgroundServer
 from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
 from omnistage.runtime.messages import OmniRequest
 
@@ -139,28 +145,58 @@ def hf_reference(path: Path, thinker_tokens: int, codes: int, record) -> None:
         torch.cuda.empty_cache()
 
 
-async def one_request(engine: AsyncOmni, rid: str, params: dict) -> dict:
+async def engine_events(engine: AsyncOmni, rid: str, params: dict) -> AsyncIterator[tuple[bool, int, int]]:
+    """One request through `AsyncOmni` in this process: (text came, audio samples, prompt tokens) per output."""
     request = OmniRequest(request_id=rid, messages=[{"role": "user", "content": PROMPT}], stage_params=params,
                           output_modalities=("text", "audio"), options={"voice": "Chelsie"})
+    async for out in engine.generate(request):
+        if out.error:
+            raise RuntimeError(out.error)
+        yield bool(out.text or out.token_ids), 0 if out.audio is None else out.audio.size, out.num_prompt_tokens or 0
+
+
+async def http_events(client: httpx.AsyncClient, url: str, params: dict) -> AsyncIterator[tuple[bool, int, int]]:
+    """The same request as a user sends it: a streamed chat completion with spoken output from the real server
+    (per-stage sampling in `sampling_params_list`); per chunk (text came, audio samples, prompt tokens)."""
+    defaults = asdict(SamplingParams())
+    payload = {"messages": [{"role": "user", "content": PROMPT}], "stream": True, "return_token_ids": True,
+               "stream_options": {"include_usage": True}, "modalities": ["text", "audio"],
+               "audio": {"voice": "Chelsie", "format": "pcm16"},
+               "sampling_params_list": [{k: v for k, v in asdict(params[stage]).items() if v != defaults[k]}
+                                        for stage in ("thinker", "talker")]}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=payload) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            prompt = (chunk.get("usage") or {}).get("prompt_tokens", 0)
+            for choice in chunk["choices"] or [{"delta": {}}]:
+                delta, audio = choice["delta"], (choice["delta"].get("audio") or {}).get("data")
+                samples = len(b64decode(audio)) // 2 if audio else 0  # pcm16: two bytes a sample
+                yield bool(delta.get("content") or choice.get("token_ids")), samples, prompt
+
+
+async def one_request(events: AsyncIterator[tuple[bool, int, int]]) -> dict:
+    """Times one request's outputs as they arrive (`engine_events` or `http_events`)."""
     start = time.perf_counter()
     first_audio, samples, prompt = None, 0, 0
     playhead = stall = 0.0  # a listener playing chunks as they come: where playback is, and time it waited
     first_text = last_text = None
     chunks = []  # (seconds since start, seconds of audio) per audio chunk: when the windows came out
-    async for out in engine.generate(request):
-        if out.error:
-            raise RuntimeError(out.error)
-        prompt = out.num_prompt_tokens or prompt
+    async for text, audio, prompt_tokens in events:
+        prompt = prompt_tokens or prompt
         now = time.perf_counter() - start
-        if out.text or out.token_ids:
+        if text:
             first_text, last_text = first_text or now, now
-        if out.audio is not None and out.audio.size:
+        if audio:
             first_audio = first_audio or now
             if samples and now > playhead:  # the previous chunks ran out before this one arrived
                 stall += now - playhead
-            playhead = max(playhead, now) + out.audio.size / SAMPLE_RATE
-            samples += out.audio.size
-            chunks.append((round(now, 3), round(out.audio.size / SAMPLE_RATE, 3)))
+            playhead = max(playhead, now) + audio / SAMPLE_RATE
+            samples += audio
+            chunks.append((round(now, 3), round(audio / SAMPLE_RATE, 3)))
     e2e = time.perf_counter() - start
     return {"ttfp": first_audio, "e2e": e2e, "audio": samples / SAMPLE_RATE, "prompt": prompt, "stall": stall,
             "first_text": first_text, "last_text": last_text, "chunks": chunks}
@@ -269,7 +305,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
          overlap_decode: bool = True, overlap_sampled: bool | None = None, settings: dict[str, Any] | None = None,
          timeline_out: Path | None = None, gc_compare: bool = False, switch_intervals: list[float] = (),
-         deploy_config: Path = DEPLOY) -> None:
+         deploy_config: Path = DEPLOY, http: bool = False) -> None:
     params = request_params(path, thinker_tokens, codes)
     deploy = yaml.safe_load(deploy_config.read_text())
     deploy["worker_backend"] = backend or deploy.get("worker_backend", "inline")
@@ -286,6 +322,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     started = time.perf_counter()
     engine = AsyncOmni(path, deploy)
     print(f"omnistage ({backend}) up in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+    server = BackgroundServer(engine).start() if http else None
     try:
         timelines: dict[int, dict] = {}  # per concurrency, its last wave's stage activity and request events
 
@@ -293,14 +330,18 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             print(f"wave of {n}", file=sys.stderr, flush=True)
             start = time.perf_counter()
             sampler = asyncio.ensure_future(sample_stages(engine, start))
-            requests = asyncio.gather(*(one_request(engine, f"c{n}-{i}", params) for i in range(n)))
-            try:
-                results = await asyncio.wait_for(requests, wave_timeout_s)  # a stuck run reports, not hangs
-            except TimeoutError:
-                faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where inline stages are stuck
-                raise
-            finally:
-                sampler.cancel()
+            async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=n)) as client:
+                if server is None:
+                    requests = [one_request(engine_events(engine, f"c{n}-{i}", params)) for i in range(n)]
+                else:
+                    requests = [one_request(http_events(client, server.url, params)) for _ in range(n)]
+                try:  # a stuck run reports, not hangs
+                    results = await asyncio.wait_for(asyncio.gather(*requests), wave_timeout_s)
+                except TimeoutError:
+                    faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where inline stages are stuck
+                    raise
+                finally:
+                    sampler.cancel()
             wall = time.perf_counter() - start
             events = ("first_text", "last_text", "ttfp", "e2e")
             timelines[n] = {"stages": await sampler, "requests": [
@@ -345,7 +386,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    playback_stall_s_median=round(statistics.median(r["stall"] for r in results), 3),
                    requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2),
                    stages=stage_steps(before, after), gc_startup_objects=collector, gc_pauses=pauses.take(),
-                   switch_interval_s=interval)
+                   switch_interval_s=interval, client="http" if http else "in-process",
+                   gpu_peak_allocated_gib=peak_allocated_gib(deploy["worker_backend"]))
             if timeline_out is not None:
                 with timeline_out.open("a") as f:
                     f.write(json.dumps({"concurrency": n, "gc_startup_objects": collector,
@@ -360,7 +402,18 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                     asyncio.run(wave(n))
                 prof.export_chrome_trace(str(profile_dir / f"wave-c{n}.json"))
     finally:
+        if server is not None:
+            server.stop()
         engine.shutdown()
+
+
+def peak_allocated_gib(backend: str) -> dict[str, float] | None:
+    """Peak memory torch allocated on each GPU so far (start-up included): inline stages only, as a process
+    backend's stages allocate in processes of their own."""
+    if backend != "inline" or not torch.cuda.is_available():
+        return None
+    return {f"cuda:{d}": round(torch.cuda.max_memory_allocated(d) / 2**30, 2) for d in range(torch.cuda.device_count())
+            if torch.cuda.max_memory_allocated(d)}
 
 
 def stage_steps(before: dict, after: dict) -> dict:
@@ -385,6 +438,9 @@ def main() -> None:
     ap.add_argument("--parts", default="ours,hf", help="ours, hf or both")
     ap.add_argument("--deploy-config", type=Path, default=DEPLOY,
                     help="the deploy config omnistage starts from (the benchmark sizes its stages for the waves)")
+    ap.add_argument("--http", action="store_true",
+                    help="send omnistage's requests through the real HTTP server (streamed chat completions with "
+                         "audio) instead of calling AsyncOmni in this process")
     ap.add_argument("--backends", default="", help="omnistage worker backends to run, e.g. inline,process; "
                     "default: the deploy config's")
     ap.add_argument("--token2wav-dtype", default="auto", help="the DiT's dtype: auto (float32) or bfloat16")
@@ -431,7 +487,7 @@ def main() -> None:
                      settings=parse_settings(args.set),
                      timeline_out=args.timeline, gc_compare=args.gc_compare,
                      switch_intervals=[float(x) for x in args.switch_intervals.split(",") if x],
-                     deploy_config=args.deploy_config)
+                     deploy_config=args.deploy_config, http=args.http)
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")

@@ -26,7 +26,15 @@ from pathlib import Path
 
 import torch
 import yaml
-from omni_qwen2_5 import DEPLOY, apply_settings, one_request, parse_settings, request_params, write_full_checkpoint
+from omni_qwen2_5 import (
+    DEPLOY,
+    apply_settings,
+    engine_events,
+    one_request,
+    parse_settings,
+    request_params,
+    write_full_checkpoint,
+)
 
 from omnistage import AsyncOmni
 
@@ -55,7 +63,7 @@ def stacks(engine: AsyncOmni, params: dict) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    r = asyncio.run(one_request(engine, "stacks", params))
+    r = asyncio.run(one_request(engine_events(engine, "stacks", params)))
     stop.set()
     sampler.join()
     print("stacks request", {k: round(r[k], 3) for k in ("ttfp", "e2e", "last_text")})
@@ -81,7 +89,7 @@ def kernel_trace(engine: AsyncOmni, params: dict) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        r = asyncio.run(one_request(engine, "traced", params))
+        r = asyncio.run(one_request(engine_events(engine, "traced", params)))
     print("traced request", {k: round(r[k], 3) for k in ("ttfp", "e2e", "last_text")})
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
@@ -138,7 +146,7 @@ def main() -> None:
     engine = AsyncOmni(path, deploy)
     try:
         for _ in range(2):  # compiled, captured, tuned
-            asyncio.run(one_request(engine, "warm-up", params))
+            asyncio.run(one_request(engine_events(engine, "warm-up", params)))
         stacks(engine, params)
         kernel_trace(engine, params)
     finally:
