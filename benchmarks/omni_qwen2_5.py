@@ -35,6 +35,7 @@ import asyncio
 import faulthandler
 import gc
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -42,6 +43,7 @@ import time
 import traceback
 from base64 import b64decode
 from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -171,11 +173,24 @@ async def http_events(client: httpx.AsyncClient, url: str, params: dict) -> Asyn
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:  # the server's error event mid-stream
+                raise RuntimeError(f"stream error: {chunk['error']}")
             prompt = (chunk.get("usage") or {}).get("prompt_tokens", 0)
             for choice in chunk["choices"] or [{"delta": {}}]:
                 delta, audio = choice["delta"], (choice["delta"].get("audio") or {}).get("data")
                 samples = len(b64decode(audio)) // 2 if audio else 0  # pcm16: two bytes a sample
                 yield bool(delta.get("content") or choice.get("token_ids")), samples, prompt
+
+
+async def http_wave(url: str, n: int, params: dict) -> list[dict]:
+    """n concurrent requests through the server at `url`, each timed by `one_request`."""
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=n)) as client:
+        return await asyncio.gather(*(one_request(http_events(client, url, params)) for _ in range(n)))
+
+
+def run_http_wave(url: str, n: int, params: dict) -> list[dict]:
+    """`http_wave` from a client process of its own."""
+    return asyncio.run(http_wave(url, n, params))
 
 
 async def one_request(events: AsyncIterator[tuple[bool, int, int]]) -> dict:
@@ -305,7 +320,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
          overlap_decode: bool = True, overlap_sampled: bool | None = None, settings: dict[str, Any] | None = None,
          timeline_out: Path | None = None, gc_compare: bool = False, switch_intervals: list[float] = (),
-         deploy_config: Path = DEPLOY, http: bool = False) -> None:
+         deploy_config: Path = DEPLOY, http: str | None = None) -> None:
     params = request_params(path, thinker_tokens, codes)
     deploy = yaml.safe_load(deploy_config.read_text())
     deploy["worker_backend"] = backend or deploy.get("worker_backend", "inline")
@@ -323,6 +338,10 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
     engine = AsyncOmni(path, deploy)
     print(f"omnistage ({backend}) up in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
     server = BackgroundServer(engine).start() if http else None
+    client_process = None
+    if http == "own-process":  # spawned: a fork would copy the server's threads' state mid-flight
+        client_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        client_process.submit(int).result()  # started (imports done) before the first wave is timed
     try:
         timelines: dict[int, dict] = {}  # per concurrency, its last wave's stage activity and request events
 
@@ -330,18 +349,21 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             print(f"wave of {n}", file=sys.stderr, flush=True)
             start = time.perf_counter()
             sampler = asyncio.ensure_future(sample_stages(engine, start))
-            async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=n)) as client:
-                if server is None:
-                    requests = [one_request(engine_events(engine, f"c{n}-{i}", params)) for i in range(n)]
-                else:
-                    requests = [one_request(http_events(client, server.url, params)) for _ in range(n)]
-                try:  # a stuck run reports, not hangs
-                    results = await asyncio.wait_for(asyncio.gather(*requests), wave_timeout_s)
-                except TimeoutError:
-                    faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where inline stages are stuck
-                    raise
-                finally:
-                    sampler.cancel()
+            if server is None:
+                requests = asyncio.gather(*(one_request(engine_events(engine, f"c{n}-{i}", params))
+                                            for i in range(n)))
+            elif client_process is None:  # the client beside the server, in this process
+                requests = http_wave(server.url, n, params)
+            else:  # the client in a process of its own, as a user's would be
+                requests = asyncio.get_running_loop().run_in_executor(client_process, run_http_wave, server.url,
+                                                                      n, params)
+            try:  # a stuck run reports, not hangs
+                results = await asyncio.wait_for(requests, wave_timeout_s)
+            except TimeoutError:
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where inline stages are stuck
+                raise
+            finally:
+                sampler.cancel()
             wall = time.perf_counter() - start
             events = ("first_text", "last_text", "ttfp", "e2e")
             timelines[n] = {"stages": await sampler, "requests": [
@@ -386,7 +408,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    playback_stall_s_median=round(statistics.median(r["stall"] for r in results), 3),
                    requests_per_s=round(len(runs[0][0]) / wall, 3), audio_s_per_s=round(audio / wall, 2),
                    stages=stage_steps(before, after), gc_startup_objects=collector, gc_pauses=pauses.take(),
-                   switch_interval_s=interval, client="http" if http else "in-process",
+                   switch_interval_s=interval, client=f"http, {http}" if http else "in-process",
                    gpu_peak_allocated_gib=peak_allocated_gib(deploy["worker_backend"]))
             if timeline_out is not None:
                 with timeline_out.open("a") as f:
@@ -402,6 +424,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                     asyncio.run(wave(n))
                 prof.export_chrome_trace(str(profile_dir / f"wave-c{n}.json"))
     finally:
+        if client_process is not None:
+            client_process.shutdown()
         if server is not None:
             server.stop()
         engine.shutdown()
@@ -438,9 +462,10 @@ def main() -> None:
     ap.add_argument("--parts", default="ours,hf", help="ours, hf or both")
     ap.add_argument("--deploy-config", type=Path, default=DEPLOY,
                     help="the deploy config omnistage starts from (the benchmark sizes its stages for the waves)")
-    ap.add_argument("--http", action="store_true",
+    ap.add_argument("--http", nargs="?", const="own-process", choices=["own-process", "same-process"],
                     help="send omnistage's requests through the real HTTP server (streamed chat completions with "
-                         "audio) instead of calling AsyncOmni in this process")
+                         "audio) instead of calling AsyncOmni in this process, from a client process of its own "
+                         "(default) or from this one (its parsing then competes with the server for the GIL)")
     ap.add_argument("--backends", default="", help="omnistage worker backends to run, e.g. inline,process; "
                     "default: the deploy config's")
     ap.add_argument("--token2wav-dtype", default="auto", help="the DiT's dtype: auto (float32) or bfloat16")

@@ -117,9 +117,12 @@ def decode_audio(
 
 
 def encodable_formats() -> tuple[str, ...]:
-    """Formats `encode_audio` can write with the libsndfile found here (mp3 needs libsndfile >= 1.1)."""
-    import soundfile as sf
-
+    """Formats `encode_audio` can write with the libsndfile found here (mp3 needs libsndfile >= 1.1); without
+    soundfile (installed by the `audio` and `omni` extras) only pcm16, which is what streamed speech is sent as."""
+    try:
+        import soundfile as sf
+    except ImportError:
+        return ("pcm16",)
     have = sf.available_formats()
     usable = {"wav": "WAV", "flac": "FLAC", "mp3": "MP3", "opus": "OGG"}
     return tuple(f for f in ENCODE_FORMATS if f == "pcm16" or usable[f] in have)

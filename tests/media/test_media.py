@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import sys
 
 import numpy as np
 import pytest
@@ -164,6 +165,19 @@ def test_encode_audio_round_trips() -> None:
     with pytest.raises(RequestError) as err:
         encode_audio(samples, 24000, "aac")
     assert err.value.status == 400 and "wav" in err.value.message
+
+
+def test_streamed_speech_needs_no_soundfile(monkeypatch) -> None:
+    """Streamed audio is pcm16, which numpy writes: a server without soundfile (the base install) still streams
+    speech, and asking it for a container format is a 400 naming what works."""
+    monkeypatch.setitem(sys.modules, "soundfile", None)  # `import soundfile` now raises ImportError
+    samples = tone(440, 0.1, 24000)
+    assert encodable_formats() == ("pcm16",)
+    pcm = np.frombuffer(encode_audio(samples, 24000, "pcm16"), dtype="<i2")
+    np.testing.assert_array_equal(pcm, np.round(samples * 32767).astype(np.int16))
+    with pytest.raises(RequestError) as err:
+        encode_audio(samples, 24000, "wav")
+    assert err.value.status == 400 and "use one of: pcm16" in err.value.message
 
 
 def test_video_frames_and_audio_track(video_with_audio, media_server) -> None:
