@@ -54,6 +54,7 @@ import yaml
 from recording import recorder
 
 from omnistage import AsyncOmni, SamplingParams
+from omnistage.bench.serve import stream_events
 from omnistage.entrypoints.openai.server import BackgroundServer
 from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
 from omnistage.runtime.messages import OmniRequest
@@ -166,20 +167,12 @@ async def http_events(client: httpx.AsyncClient, url: str, params: dict) -> Asyn
                "audio": {"voice": "Chelsie", "format": "pcm16"},
                "sampling_params_list": [{k: v for k, v in asdict(params[stage]).items() if v != defaults[k]}
                                         for stage in ("thinker", "talker")]}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=payload) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:  # the server's error event mid-stream
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            prompt = (chunk.get("usage") or {}).get("prompt_tokens", 0)
-            for choice in chunk["choices"] or [{"delta": {}}]:
-                delta, audio = choice["delta"], (choice["delta"].get("audio") or {}).get("data")
-                samples = len(b64decode(audio)) // 2 if audio else 0  # pcm16: two bytes a sample
-                yield bool(delta.get("content") or choice.get("token_ids")), samples, prompt
+    async for chunk in stream_events(client, f"{url}/v1/chat/completions", payload):
+        prompt = (chunk.get("usage") or {}).get("prompt_tokens", 0)
+        for choice in chunk["choices"] or [{"delta": {}}]:
+            delta, audio = choice["delta"], (choice["delta"].get("audio") or {}).get("data")
+            samples = len(b64decode(audio)) // 2 if audio else 0  # pcm16: two bytes a sample
+            yield bool(delta.get("content") or choice.get("token_ids")), samples, prompt
 
 
 async def http_wave(url: str, n: int, params: dict) -> list[dict]:
@@ -436,8 +429,8 @@ def peak_allocated_gib(backend: str) -> dict[str, float] | None:
     backend's stages allocate in processes of their own."""
     if backend != "inline" or not torch.cuda.is_available():
         return None
-    return {f"cuda:{d}": round(torch.cuda.max_memory_allocated(d) / 2**30, 2) for d in range(torch.cuda.device_count())
-            if torch.cuda.max_memory_allocated(d)}
+    peaks = {f"cuda:{d}": torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count())}
+    return {device: round(peak / 2**30, 2) for device, peak in peaks.items() if peak}
 
 
 def stage_steps(before: dict, after: dict) -> dict:

@@ -8,6 +8,7 @@ import json
 import math
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,36 +44,49 @@ class RequestResult:
     output_tokens: int = 0
 
 
+class StreamError(Exception):
+    """An HTTP error status, or an error event, in a streamed response."""
+
+
+async def stream_events(client: httpx.AsyncClient, url: str, payload: dict,
+                        headers: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """POST `payload` and yield the JSON events of the server-sent stream until `[DONE]`; an HTTP error status or
+    an error event raises StreamError with the server's message."""
+    async with client.stream("POST", url, json=payload, headers=headers) as resp:
+        if resp.status_code != 200:
+            raise StreamError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                return
+            obj = json.loads(data)
+            if "error" in obj:
+                raise StreamError(str(obj["error"].get("message")))
+            yield obj
+
+
 async def _one(client: httpx.AsyncClient, url: str, headers: dict[str, str], payload: dict) -> RequestResult:
     """Stream one completion; a chunk carrying text (or, when asked for, token ids) counts as a token
     arrival. Token ids matter when tokens may decode to no text, e.g. random-weight models."""
     result = RequestResult()
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
-                return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    result.error = str(obj["error"].get("message"))
-                    return result
-                if obj.get("usage"):
-                    result.prompt_tokens = obj["usage"]["prompt_tokens"]
-                    result.output_tokens = obj["usage"]["completion_tokens"]
-                if any(c.get("text") or c.get("token_ids") for c in obj.get("choices", [])):
-                    now = time.perf_counter()
-                    if result.ttft is None:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
+        async for obj in stream_events(client, url, payload, headers):
+            if obj.get("usage"):
+                result.prompt_tokens = obj["usage"]["prompt_tokens"]
+                result.output_tokens = obj["usage"]["completion_tokens"]
+            if any(c.get("text") or c.get("token_ids") for c in obj.get("choices", [])):
+                now = time.perf_counter()
+                if result.ttft is None:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last = now
+    except StreamError as exc:
+        result.error = str(exc)
+        return result
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
