@@ -313,8 +313,13 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
          overlap_decode: bool = True, overlap_sampled: bool | None = None, settings: dict[str, Any] | None = None,
          timeline_out: Path | None = None, gc_compare: bool = False, switch_intervals: list[float] = (),
-         deploy_config: Path = DEPLOY, http: str | None = None) -> None:
+         deploy_config: Path = DEPLOY, http: str | None = None, step_trace: bool = False) -> None:
     params = request_params(path, thinker_tokens, codes)
+    steps = None
+    if step_trace:
+        from step_trace import StepTrace
+
+        steps = StepTrace()
     deploy = yaml.safe_load(deploy_config.read_text())
     deploy["worker_backend"] = backend or deploy.get("worker_backend", "inline")
     for name in ("thinker", "talker"):
@@ -342,6 +347,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             print(f"wave of {n}", file=sys.stderr, flush=True)
             start = time.perf_counter()
             sampler = asyncio.ensure_future(sample_stages(engine, start))
+            if steps is not None:
+                steps.begin()
             if server is None:
                 requests = asyncio.gather(*(one_request(engine_events(engine, f"c{n}-{i}", params))
                                             for i in range(n)))
@@ -361,6 +368,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             events = ("first_text", "last_text", "ttfp", "e2e")
             timelines[n] = {"stages": await sampler, "requests": [
                 {**{k: r[k] and round(r[k], 3) for k in events}, "chunks": r["chunks"]} for r in results]}
+            if steps is not None:
+                timelines[n]["steps"] = steps.take()
             return results, wall
 
         for n in sorted({1, max(concurrency)}):  # warm-up: kernels compiled and tuned for every batch shape seen
@@ -405,7 +414,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    gpu_peak_allocated_gib=peak_allocated_gib(deploy["worker_backend"]))
             if timeline_out is not None:
                 with timeline_out.open("a") as f:
-                    f.write(json.dumps({"concurrency": n, "gc_startup_objects": collector,
+                    f.write(json.dumps({"concurrency": n, "client": f"http, {http}" if http else "in-process",
+                                        "gc_startup_objects": collector,
                                         "switch_interval_s": interval, "settings": settings or {},
                                         **timelines[n]}) + "\n")
         if profile_dir is not None:  # a trace of each concurrency's wave: host threads and GPU streams
@@ -475,6 +485,8 @@ def main() -> None:
                     help="a deploy-config setting (YAML value), e.g. stages.token2wav.dtype=bfloat16; repeatable")
     ap.add_argument("--timeline", type=Path, help="append each wave's stage activity (per 0.1 s) and per-request "
                     "event times (first/last text, each audio chunk) here as JSON lines")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="with --timeline: every engine step of each wave too (benchmarks/step_trace.py)")
     ap.add_argument("--switch-intervals", default="",
                     help="comma-separated seconds: one more wave at the largest concurrency with each as the "
                          "interpreter's thread switch interval (sys.setswitchinterval)")
@@ -505,7 +517,7 @@ def main() -> None:
                      settings=parse_settings(args.set),
                      timeline_out=args.timeline, gc_compare=args.gc_compare,
                      switch_intervals=[float(x) for x in args.switch_intervals.split(",") if x],
-                     deploy_config=args.deploy_config, http=args.http)
+                     deploy_config=args.deploy_config, http=args.http, step_trace=args.step_trace)
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")
