@@ -48,10 +48,10 @@ class StageConfig(_Strict):
         "sampled requests). Frees the host (and the interpreter other stages' threads share) from per-token work: "
         "on for the Qwen2.5-Omni talker (32 requests on an H200: first audio 1.33 -> 0.73 s, RTF 0.486 -> 0.470)")
     enforce_eager: bool = False
-    stream_priority: Literal["highest", "high", "normal"] | None = Field(
+    stream_priority: Literal["high", "normal"] | None = Field(
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
         "favours when stages share it; None: high for autoregressive stages (short steps a request waits on), "
-        "normal for the rest; highest: ahead of high ones too (a stage whose steps gate another's)")
+        "normal for the rest")
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict, description="Stage-specific knobs its family documents")
 

@@ -198,9 +198,6 @@ def _cuda_tensors(inp: StageInput) -> list[torch.Tensor]:
     return [t for t in values if isinstance(t, torch.Tensor) and t.is_cuda]
 
 
-STREAM_PRIORITIES = {"highest": -2, "high": -1, "normal": 0}  # CUDA's: lower runs first
-
-
 class InlineStageWorker:
     """One engine, one thread of the server process, and on a GPU its own CUDA stream.
 
@@ -221,9 +218,8 @@ class InlineStageWorker:
         device = getattr(engine, "device", None)
         self.stream = None
         if device is not None and torch.device(device).type == "cuda":
-            if stream_priority is None:
-                stream_priority = "high" if getattr(engine, "latency_bound", False) else "normal"
-            self.stream = torch.cuda.Stream(device, priority=STREAM_PRIORITIES[stream_priority])
+            high = stream_priority == "high" or (stream_priority is None and getattr(engine, "latency_bound", False))
+            self.stream = torch.cuda.Stream(device, priority=-1 if high else 0)
             torch.cuda.synchronize(device)  # what building the engine left on the default stream is done
         self.loop = EngineLoop(stage, engine, self._report, receive=self._receive)
         self._stopping = False
