@@ -308,6 +308,17 @@ def one_at_a_time_deploy(settings: dict[str, Any]) -> dict[str, Any]:
     return deploy
 
 
+def probe_arguments(requests_help: str) -> argparse.ArgumentParser:
+    """The command line the c=1 probes share: the checkpoint (or --tiny), how many requests, `--set`, `--out`."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--checkpoint", type=Path, help="a full-size checkpoint (omni_qwen2_5.py writes one)")
+    ap.add_argument("--requests", type=int, default=3, help=requests_help)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a deploy-config field")
+    ap.add_argument("--out")
+    return ap
+
+
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,
          backend: str | None = None, wave_timeout_s: float = 240.0, token2wav_dtype: str = "auto",
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,

@@ -11,13 +11,19 @@ The omni_qwen2_5.py workload at concurrency 1 (128 text tokens, 600 codes), the 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
-from pathlib import Path
 
 import torch
-from omni_qwen2_5 import checkpoint_path, one_at_a_time_deploy, one_request, parse_settings, request_params
+from omni_qwen2_5 import (
+    checkpoint_path,
+    engine_events,
+    one_at_a_time_deploy,
+    one_request,
+    parse_settings,
+    probe_arguments,
+    request_params,
+)
 from recording import recorder
 
 from omnistage import AsyncOmni
@@ -90,13 +96,7 @@ class Trace:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--checkpoint", type=Path, help="a full-size checkpoint (omni_qwen2_5.py writes one)")
-    ap.add_argument("--requests", type=int, default=3, help="one after another; the first warms up")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a deploy-config field")
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args = probe_arguments("one after another; the first warms up").parse_args()
     path = checkpoint_path(args.tiny, args.checkpoint)
     settings = parse_settings(args.set)
     deploy = one_at_a_time_deploy(settings)
@@ -108,7 +108,7 @@ def main() -> None:
     try:
         for n in range(args.requests):
             trace.begin()
-            result = asyncio.run(one_request(engine, f"tail{n}", params))
+            result = asyncio.run(one_request(engine_events(engine, f"tail{n}", params)))
             record(part="tail_trace", request=n, settings=settings, e2e_s=round(result["e2e"], 4),
                    last_text_s=round(result["last_text"], 4), chunks=result["chunks"], events=trace.finish())
     finally:

@@ -17,12 +17,11 @@ apart from the talker's GPU work beside it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from pathlib import Path
 
-from omni_qwen2_5 import PROMPT, checkpoint_path, one_at_a_time_deploy, parse_settings, request_params
+from omni_qwen2_5 import PROMPT, checkpoint_path, one_at_a_time_deploy, parse_settings, probe_arguments, request_params
 from recording import recorder
 
 from omnistage import AsyncOmni
@@ -79,14 +78,9 @@ def engine_only(path: Path, deploy: dict, params: dict, requests: int, record) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--checkpoint", type=Path, help="a full-size checkpoint (omni_qwen2_5.py writes one)")
-    ap.add_argument("--requests", type=int, default=3, help="of each kind, alternating")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a deploy-config field")
+    ap = probe_arguments("of each kind, alternating")
     ap.add_argument("--engine-only", action="store_true", help="the thinker's engine alone, with and without the "
                     "hidden states the talker needs")
-    ap.add_argument("--out")
     args = ap.parse_args()
     record = recorder(args.out)
     path = checkpoint_path(args.tiny, args.checkpoint)
