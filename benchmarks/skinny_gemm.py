@@ -31,7 +31,7 @@ from omnistage.kernels.fused import add_rmsnorm, silu_mul
 
 # (model, op, N, K, bias): the released sizes
 SHAPES = [
-    ("talker", "qkv", 1152, 896, True), ("talker", "o", 896, 896, False),
+    ("talker", "qkv", 2560, 896, True), ("talker", "o", 896, 1536, False),  # 12 heads, 4 KV heads of 128
     ("talker", "gate_up", 2 * 18944, 896, False), ("talker", "down", 896, 18944, False),
     ("thinker", "qkv", 4608, 3584, True), ("thinker", "o", 3584, 3584, False),
     ("thinker", "gate_up", 2 * 18944, 3584, False), ("thinker", "down", 3584, 18944, False),
@@ -94,6 +94,10 @@ def main() -> None:
     ap.add_argument("--warps", type=ints, default=[4, 8], help="num_warps values the sweep tries, e.g. 4,8")
     ap.add_argument("--stages", type=ints, default=[3, 4], help="num_stages values the sweep tries, e.g. 3,4")
     ap.add_argument("--preload-only", action="store_true", help="sweep only preloaded tilings where K allows them")
+    ap.add_argument("--preload-max-k", type=int, default=skinny.PRELOAD_MAX_K,
+                    help="sweep preloaded tilings for K up to this (the built-in choice's limit by default)")
+    ap.add_argument("--tma", action="store_true", help="sweep weight tiles through TMA descriptors (tiles <= 256)")
+    ap.add_argument("--block-n", type=ints, default=[16, 32, 64], help="block_n values the sweep tries")
     ap.add_argument("--pdl", default="on", help="programmatic dependent launch: on, off or on,off (each timed)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -117,11 +121,14 @@ def main() -> None:
         chosen = skinny.choose_tiling(n // 2 if op == "gate_up" else n, k, sms, gate_up=op == "gate_up")
         best = None
         if args.sweep:
-            splits = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32) if op in ("o", "down") else (1,)  # 9 x 14 tiles of 64: 126 SMs
+            splits = (1, 2, 4, 8) if args.tma else (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32)
+            splits = splits if op in ("o", "down") else (1,)
             results = []
-            grid = [skinny.Tiling(bn, bk, s, warps, stages) for bn, bk, warps, stages, s in itertools.product(
-                (16, 32, 64), (128, 256, 512), args.warps, args.stages, splits) if s == 1 or k // (bk * s) >= 1]
-            if k <= skinny.PRELOAD_MAX_K and op != "gate_up":  # whole slices read before the wait
+            grid = [skinny.Tiling(bn, bk, s, warps, stages, tma=args.tma)
+                    for bn, bk, warps, stages, s in itertools.product(
+                        args.block_n, (64, 128, 256) if args.tma else (128, 256, 512), args.warps, args.stages,
+                        splits) if s == 1 or k // (bk * s) >= 1]
+            if k <= args.preload_max_k and op != "gate_up" and not args.tma:  # whole slices read before the wait
                 grid = [t for t in grid if not args.preload_only] + [
                     skinny.Tiling(bn, max(16, triton.next_power_of_2(-(-k // s))), s, warps, 1, preload=True)
                     for bn, s, warps in itertools.product((16, 32, 64), (1, 2, 4), args.warps)]
@@ -148,6 +155,7 @@ def main() -> None:
             if best is not None:
                 row["best"] = best.__dict__
                 row["best_us"] = round(time_op(op, n, k, bias, m, best, weights), 2)
+                row["best_rel_err"] = round(check(op, n, k, bias, m, best, weights[0]), 5)
             row["chosen_tb_s"] = round(size / row["chosen_us"] / 1e6, 2)
             row["cublas_tb_s"] = round(size / row["cublas_us"] / 1e6, 2)
             emit(row)

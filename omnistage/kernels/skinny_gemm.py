@@ -44,12 +44,18 @@ try:
     import triton.language as tl
 except ImportError:  # Triton is needed only on CUDA
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # older Triton: no TMA tiles
+    TensorDescriptor = None
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger decode batches go to cuBLAS
 # Weights with K up to this many columns are read whole, one tile per program, before the PDL wait
 # (OMNISTAGE_SKINNY_PRELOAD=0: the K loop after the wait, as for larger K; for comparisons).
 PRELOAD = os.environ.get("OMNISTAGE_SKINNY_PRELOAD", "1") != "0"
 PRELOAD_MAX_K = 1024
+# Weight tiles of the K loop through TMA descriptors (OMNISTAGE_SKINNY_TMA=1; Hopper and later)
+TMA = os.environ.get("OMNISTAGE_SKINNY_TMA", "0") == "1"
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -107,12 +113,21 @@ if triton is not None:
             _rotary_kv_epilogue(acc, Y, COS, SIN, SLOTS, KC, VC, m, M, pid_n, N, stride_ym, stride_c, stride_ct,
                                 stride_ch, q_heads, kv_heads, X.dtype.element_ty, BLOCK_M, BLOCK_N, HEAD_DIM)
             return
+        if not GATE_UP:
+            acc_up = acc  # unused
+        _finish_rows(acc, acc_up, B, Y, split, stride_ys, stride_ym, m, m_ok, rows, row_ok, X.dtype.element_ty,
+                     HAS_BIAS, GATE_UP, PARTIAL)
+
+    @triton.jit
+    def _finish_rows(acc, acc_up, B, Y, split, stride_ys, stride_ym, m, m_ok, rows, row_ok, dtype: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr):
+        """A program's [M, rows] result stored: as fp32 partials of its K slice, or rounded to the activations'
+        dtype (bias added, or SiLU(gate) * up), then stored as Y's (maybe float32)."""
         out = Y + split * stride_ys + m[:, None] * stride_ym + rows[None, :]
         ok = m_ok[:, None] & row_ok[None, :]
         if PARTIAL:
             tl.store(out, acc, mask=ok)
         else:
-            dtype = X.dtype.element_ty  # rounded to the activations' dtype, then stored as Y's (maybe float32)
             if HAS_BIAS:
                 acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
             if GATE_UP:  # rounded where F.silu(gate(x)) * up(x) rounds
@@ -121,6 +136,36 @@ if triton is not None:
                 tl.store(out, (act * acc_up.to(dtype)).to(Y.dtype.element_ty), mask=ok)
             else:
                 tl.store(out, acc.to(dtype).to(Y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _skinny_gemm_tma_kernel(X, W_DESC, B, Y, M, N, K, stride_xm, stride_ys, stride_ym, k_per_split,
+                                HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr,
+                                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """The K loop above with each weight tile fetched by the tensor memory accelerator (Hopper's bulk copy
+        engine, through a descriptor): one thread issues a tile's copy into shared memory and the pipeline keeps
+        `num_stages` of them in flight, where plain loads take every thread's address arithmetic and
+        registers. Tiles past the weight's edge (K's tail, a last row tile) arrive as zeros."""
+        pid_n, split = tl.program_id(0), tl.program_id(1)
+        row0 = pid_n * BLOCK_N
+        rows = row0 + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        row_ok, m_ok = rows < N, m < M
+        k_begin = split * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = acc
+        pdl.wait_for_inputs(PDL)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks < k_end)[None, :],
+                        other=0.0)
+            acc = tl.dot(x, tl.trans(W_DESC.load([row0, k0])), acc, input_precision=PRECISION)
+            if GATE_UP:  # up's rows sit N rows below gate's
+                acc_up = tl.dot(x, tl.trans(W_DESC.load([N + row0, k0])), acc_up, input_precision=PRECISION)
+        pdl.launch_next(PDL)
+        _finish_rows(acc, acc_up, B, Y, split, stride_ys, stride_ym, m, m_ok, rows, row_ok, X.dtype.element_ty,
+                     HAS_BIAS, GATE_UP, PARTIAL)
 
 
     @triton.jit
@@ -167,6 +212,7 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 4
     preload: bool = False  # one K tile per program (block_k covers its slice), read before the PDL wait
+    tma: bool = False  # weight tiles through the tensor memory accelerator (CUDA, Hopper and later)
 
 
 @cache
@@ -205,7 +251,10 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
     splits = 1
     while row_tiles * splits * 2 <= sms and k_steps >= 4 * splits:
         splits *= 2
-    return Tiling(block_n, block_k, splits, num_warps=4, num_stages=3 if gate_up else 4)
+    stages = 3 if gate_up else 4
+    if TMA and block_k > 256:  # a descriptor's tile is at most 256 wide: half the tile, twice the stages
+        block_k, stages = 256, 2 * stages
+    return Tiling(block_n, block_k, splits, num_warps=4, num_stages=stages, tma=TMA)
 
 
 def _preload_warps(block_n: int, block_k: int, elem_bytes: int) -> int:
@@ -238,8 +287,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         y = torch.empty(m, rotary.q_heads * rotary.head_dim, dtype=x.dtype, device=x.device)
     else:
         y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    grid = (triton.cdiv(n, t.block_n), splits)
+    if t.tma and rotary is None and not t.preload and _tma_ok(weight, t):
+        _skinny_gemm_tma_kernel[grid](
+            x, _descriptor(weight, t.block_n, block_k), bias if bias is not None else weight, y, m, n, k,
+            x.stride(0), m * n if partial else 0, y.stride(-2), k_per_split,
+            HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=block_k,
+            num_warps=num_warps, num_stages=t.num_stages, **pdl.kernel_args(x.device),
+        )
+        return y
     r = rotary or _NO_ROTARY
-    _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
+    _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
         m * n if partial else 0, y.stride(-2), k_per_split,
         *(r.args or (weight,) * 5), *r.strides, r.q_heads, r.kv_heads,
@@ -249,6 +309,29 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         num_warps=num_warps, num_stages=t.num_stages, **pdl.kernel_args(x.device),
     )
     return y
+
+
+def _tma_ok(weight: torch.Tensor, t: Tiling) -> bool:
+    """A descriptor can describe the weight: 16-byte aligned base and rows, tiles of at most 256 per side."""
+    return (TensorDescriptor is not None and _tma_device(weight.device) and weight.data_ptr() % 16 == 0
+            and weight.stride(0) * weight.element_size() % 16 == 0 and t.block_n <= 256 and t.block_k <= 256)
+
+
+@cache
+def _tma_device(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+_descriptors: dict[tuple, object] = {}
+
+
+def _descriptor(weight: torch.Tensor, block_n: int, block_k: int):
+    """The weight's TMA descriptor for [block_n, block_k] tiles, made once per weight (it holds only the
+    address, shape and strides, so equal keys always describe the same tiles)."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(0), weight.dtype, block_n, block_k)
+    if key not in _descriptors:
+        _descriptors[key] = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [block_n, block_k])
+    return _descriptors[key]
 
 
 @dataclass(frozen=True)

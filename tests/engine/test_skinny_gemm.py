@@ -106,6 +106,30 @@ def test_preloaded_tiles(force_triton, rows: int, partial: bool) -> None:
         skinny.gate_up_silu(x, torch.randn(2 * 36, 200, device=DEVICE), tiling=tiling)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_tma_tiles_equal_the_k_loop(force_triton, rows: int) -> None:
+    """Weight tiles through tensor descriptors: the same bits as the plain K loop, for split-K partials, a bias,
+    gate-up with SiLU-mul, and ragged edges (K's tail and the last row tile arrive zero-filled)."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    x, w, b = torch.randn(rows, 200, device=DEVICE), torch.randn(72, 200, device=DEVICE), torch.randn(72, device=DEVICE)
+    plain = skinny.Tiling(block_n=32, block_k=64, splits=2)
+    tma = skinny.Tiling(block_n=32, block_k=64, splits=2, tma=True)
+    for kwargs in ({"partial": True}, {"bias": b}):
+        assert torch.equal(skinny.linear(x, w, tiling=tma, **kwargs), skinny.linear(x, w, tiling=plain, **kwargs))
+    _close(fused.sum_partials(skinny.linear(x, w, partial=True, tiling=tma), x.dtype), F.linear(x, w))
+    gate_up = torch.randn(2 * 50, 200, device=DEVICE)  # 50 rows: gate's last tile reaches into up's, masked
+    got = skinny.gate_up_silu(x, gate_up, tiling=tma)
+    assert torch.equal(got, skinny.gate_up_silu(x, gate_up, tiling=plain))
+    want = F.linear(x, gate_up)
+    _close(got, F.silu(want[:, :50]) * want[:, 50:])
+    assert torch.equal(skinny.linear(x[:1], w, partial=True, tiling=tma)[:, 0],
+                       skinny.linear(x, w, partial=True, tiling=tma)[:, 0])
+    # a descriptor needs 16-byte rows: a 201-column float32 weight takes the plain loads instead
+    x_odd, w_odd = torch.randn(rows, 201, device=DEVICE), torch.randn(72, 201, device=DEVICE)
+    assert not skinny._tma_ok(w_odd, tma)
+    _close(skinny.linear(x_odd, w_odd, tiling=tma), F.linear(x_odd, w_odd))
+
+
 # bfloat16 only on a GPU: Triton's interpreter computes bfloat16 dots wrongly
 @pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * torch.cuda.is_available())
 def test_linear_to_float_rounds_like_the_head_then_float(force_triton, dtype: torch.dtype) -> None:
