@@ -7,7 +7,7 @@ Weights are cycled over enough copies to exceed the L2 cache (a decode step neve
 there), and each measurement is a CUDA graph of 24 calls replayed, as a decode step runs. `--sweep` times
 every tiling of a grid at M=1 and reports the best beside the built-in choice (`choose_tiling`). `--pdl on,off`
 times the Triton kernels with and without programmatic dependent launch (omnistage/kernels/pdl.py). For K up to
-`PRELOAD_MAX_K` the sweep adds tilings that read a program's whole slice of K before the PDL wait
+`--preload-max-k` the sweep adds tilings that read a program's whole slice of K before the PDL wait
 (`--preload-only`: only those); OMNISTAGE_SKINNY_PRELOAD=0 makes the built-in choice the K loop again.
 
     python benchmarks/skinny_gemm.py --out skinny.jsonl            # GPU: built-in choice vs cuBLAS, M=1,2,4,8,16
@@ -94,9 +94,7 @@ def main() -> None:
     ap.add_argument("--warps", type=ints, default=[4, 8], help="num_warps values the sweep tries, e.g. 4,8")
     ap.add_argument("--stages", type=ints, default=[3, 4], help="num_stages values the sweep tries, e.g. 3,4")
     ap.add_argument("--preload-only", action="store_true", help="sweep only preloaded tilings where K allows them")
-    ap.add_argument("--preload-max-k", type=int, default=skinny.PRELOAD_MAX_K,
-                    help="sweep preloaded tilings for K up to this (the built-in choice's limit by default)")
-    ap.add_argument("--tma", action="store_true", help="sweep weight tiles through TMA descriptors (tiles <= 256)")
+    ap.add_argument("--preload-max-k", type=int, default=2048, help="sweep preloaded tilings for K up to this")
     ap.add_argument("--block-n", type=ints, default=[16, 32, 64], help="block_n values the sweep tries")
     ap.add_argument("--pdl", default="on", help="programmatic dependent launch: on, off or on,off (each timed)")
     ap.add_argument("--out")
@@ -118,17 +116,15 @@ def main() -> None:
         size = n * k * 2
         copies = max(2, -(-200_000_000 // size))
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, CALLS))]
-        chosen = skinny.choose_tiling(n // 2 if op == "gate_up" else n, k, sms, gate_up=op == "gate_up")
+        chosen = skinny.choose_tiling(n // 2 if op == "gate_up" else n, k, sms, gate_up=op == "gate_up",
+                                      splittable=op in ("o", "down"))  # the others keep whole rows
         best = None
         if args.sweep:
-            splits = (1, 2, 4, 8) if args.tma else (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32)
-            splits = splits if op in ("o", "down") else (1,)
+            splits = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32) if op in ("o", "down") else (1,)
             results = []
-            grid = [skinny.Tiling(bn, bk, s, warps, stages, tma=args.tma)
-                    for bn, bk, warps, stages, s in itertools.product(
-                        args.block_n, (64, 128, 256) if args.tma else (128, 256, 512), args.warps, args.stages,
-                        splits) if s == 1 or k // (bk * s) >= 1]
-            if k <= args.preload_max_k and op != "gate_up" and not args.tma:  # whole slices read before the wait
+            grid = [skinny.Tiling(bn, bk, s, warps, stages) for bn, bk, warps, stages, s in itertools.product(
+                args.block_n, (128, 256, 512), args.warps, args.stages, splits) if s == 1 or k // (bk * s) >= 1]
+            if k <= args.preload_max_k and op != "gate_up":  # whole slices read before the wait
                 grid = [t for t in grid if not args.preload_only] + [
                     skinny.Tiling(bn, max(16, triton.next_power_of_2(-(-k // s))), s, warps, 1, preload=True)
                     for bn, s, warps in itertools.product((16, 32, 64), (1, 2, 4), args.warps)]

@@ -15,11 +15,13 @@ Elsewhere (CPU, or more rows) the same math runs through torch.
 
 Under programmatic dependent launch (`omnistage.kernels.pdl`) a program lets the next kernel launch once its
 K loop is done. Small weights (the talker's qkv and o) skip the loop: each program reads its whole slice of K
-before the wait, while the previous kernel finishes (`choose_tiling`). For larger K that did not pay on an
+before the wait, while the previous kernel finishes (`_preload_tiling`). For larger K that did not pay on an
 H200: loading a K loop's first tile before the wait (the talker's code 1.343 vs 1.301 ms, run 15c), our own
 pipeline of register tiles started before it (gate-up 24.9 vs 18.1 µs, run 19f), pulling weights into L2 ahead
-of a GEMM from earlier kernels or a side stream (run 17); and, by far, doing the add+RMSNorm that feeds a GEMM
-inside its programs (1.94 vs 1.25 ms, run 17) or the whole gated MLP in one kernel (32.1 vs 30.5 µs, run 19).
+of a GEMM from earlier kernels or a side stream (run 17), weight tiles through TMA descriptors (the same µs per
+GEMM within 0.5, the talker's code 1.155 -> 1.206 ms, run 25a; branch exp/tma-tiles); and, by far, doing the
+add+RMSNorm that feeds a GEMM inside its programs (1.94 vs 1.25 ms, run 17) or the whole gated MLP in one
+kernel (32.1 vs 30.5 µs, run 19).
 """
 
 from __future__ import annotations
@@ -44,18 +46,12 @@ try:
     import triton.language as tl
 except ImportError:  # Triton is needed only on CUDA
     triton = None
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # older Triton: no TMA tiles
-    TensorDescriptor = None
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger decode batches go to cuBLAS
 # Weights with K up to this many columns are read whole, one tile per program, before the PDL wait
 # (OMNISTAGE_SKINNY_PRELOAD=0: the K loop after the wait, as for larger K; for comparisons).
 PRELOAD = os.environ.get("OMNISTAGE_SKINNY_PRELOAD", "1") != "0"
-PRELOAD_MAX_K = 1024
-# Weight tiles of the K loop through TMA descriptors (OMNISTAGE_SKINNY_TMA=1; Hopper and later)
-TMA = os.environ.get("OMNISTAGE_SKINNY_TMA", "0") == "1"
+PRELOAD_MAX_BYTES = 65536  # of weights per program (8 warps hold them in registers)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -113,21 +109,12 @@ if triton is not None:
             _rotary_kv_epilogue(acc, Y, COS, SIN, SLOTS, KC, VC, m, M, pid_n, N, stride_ym, stride_c, stride_ct,
                                 stride_ch, q_heads, kv_heads, X.dtype.element_ty, BLOCK_M, BLOCK_N, HEAD_DIM)
             return
-        if not GATE_UP:
-            acc_up = acc  # unused
-        _finish_rows(acc, acc_up, B, Y, split, stride_ys, stride_ym, m, m_ok, rows, row_ok, X.dtype.element_ty,
-                     HAS_BIAS, GATE_UP, PARTIAL)
-
-    @triton.jit
-    def _finish_rows(acc, acc_up, B, Y, split, stride_ys, stride_ym, m, m_ok, rows, row_ok, dtype: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr):
-        """A program's [M, rows] result stored: as fp32 partials of its K slice, or rounded to the activations'
-        dtype (bias added, or SiLU(gate) * up), then stored as Y's (maybe float32)."""
         out = Y + split * stride_ys + m[:, None] * stride_ym + rows[None, :]
         ok = m_ok[:, None] & row_ok[None, :]
         if PARTIAL:
             tl.store(out, acc, mask=ok)
         else:
+            dtype = X.dtype.element_ty  # rounded to the activations' dtype, then stored as Y's (maybe float32)
             if HAS_BIAS:
                 acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
             if GATE_UP:  # rounded where F.silu(gate(x)) * up(x) rounds
@@ -136,36 +123,6 @@ if triton is not None:
                 tl.store(out, (act * acc_up.to(dtype)).to(Y.dtype.element_ty), mask=ok)
             else:
                 tl.store(out, acc.to(dtype).to(Y.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _skinny_gemm_tma_kernel(X, W_DESC, B, Y, M, N, K, stride_xm, stride_ys, stride_ym, k_per_split,
-                                HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr,
-                                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """The K loop above with each weight tile fetched by the tensor memory accelerator (Hopper's bulk copy
-        engine, through a descriptor): one thread issues a tile's copy into shared memory and the pipeline keeps
-        `num_stages` of them in flight, where plain loads take every thread's address arithmetic and
-        registers. Tiles past the weight's edge (K's tail, a last row tile) arrive as zeros."""
-        pid_n, split = tl.program_id(0), tl.program_id(1)
-        row0 = pid_n * BLOCK_N
-        rows = row0 + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, BLOCK_M)
-        row_ok, m_ok = rows < N, m < M
-        k_begin = split * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = acc
-        pdl.wait_for_inputs(PDL)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks < k_end)[None, :],
-                        other=0.0)
-            acc = tl.dot(x, tl.trans(W_DESC.load([row0, k0])), acc, input_precision=PRECISION)
-            if GATE_UP:  # up's rows sit N rows below gate's
-                acc_up = tl.dot(x, tl.trans(W_DESC.load([N + row0, k0])), acc_up, input_precision=PRECISION)
-        pdl.launch_next(PDL)
-        _finish_rows(acc, acc_up, B, Y, split, stride_ys, stride_ym, m, m_ok, rows, row_ok, X.dtype.element_ty,
-                     HAS_BIAS, GATE_UP, PARTIAL)
 
 
     @triton.jit
@@ -212,7 +169,6 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 4
     preload: bool = False  # one K tile per program (block_k covers its slice), read before the PDL wait
-    tma: bool = False  # weight tiles through the tensor memory accelerator (CUDA, Hopper and later)
 
 
 @cache
@@ -222,7 +178,8 @@ def _sm_count(device: torch.device) -> int:
     return 4  # Triton's interpreter (tests on CPU): a small GPU, so tiny shapes still split K
 
 
-def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: int = 2) -> Tiling:
+def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: int = 2,
+                  splittable: bool = True) -> Tiling:
     """Tiles from a sweep on an H200 (benchmarks/skinny_gemm.py --sweep, bf16, one row): 32 weight rows per
     program (64 where 32 would leave a second, nearly empty wave), 32 KB of weights per pipeline stage (8 KB
     per matrix for gate-up's two, and for K < 2048, whose few steps pipeline better short), and K split in
@@ -230,18 +187,13 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
     programs than SMs was slower on every split shape: a program's stages in flight keep the memory busy (and
     twice or four times the programs, sized for 2 or 4 per SM, slowed the talker alone and beside token2wav
     alike: 1.287 -> 1.338 / 1.406 ms a code, run 18c).
-    Small weights (K ≤ PRELOAD_MAX_K, all row tiles of 16 in one wave) are read whole instead, a program's
-    slice of K in one tile before the PDL wait, so they stream while the previous kernel finishes: the
-    talker's qkv 3.6 -> 2.3 µs, o + add+RMSNorm 3.3 -> 2.7 µs (run 19d). Its codec head (528 such tiles) is
-    faster as it was: tiles past the first wave gain nothing (7.2 against 5.5 µs).
+    Small weights are read whole instead (`_preload_tiling`). `splittable`: the result may come back as split-K
+    partials (no bias, no rotary epilogue); otherwise a split's slices would be joined into one anyway.
     From shapes and SM count only, so a CUDA graph captured once stays valid."""
-    if PRELOAD and not gate_up and k <= PRELOAD_MAX_K and triton.cdiv(n, 16) <= sms:
-        splits = 1
-        while triton.cdiv(n, 16) * splits * 2 <= sms and k >= 512 * splits:
-            splits *= 2
-        block_k = triton.next_power_of_2(triton.cdiv(k, splits))
-        return Tiling(16, block_k, splits, num_warps=_preload_warps(16, block_k, elem_bytes), num_stages=1,
-                      preload=True)
+    if PRELOAD and not gate_up:
+        preloaded = _preload_tiling(n, k, sms, elem_bytes, splittable)
+        if preloaded is not None:
+            return preloaded
     block_n = 32
     if not gate_up and sms < triton.cdiv(n, block_n) < 2 * sms:
         block_n = 64  # the thinker's qkv: 144 tiles of 32 on 132 SMs
@@ -251,10 +203,31 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
     splits = 1
     while row_tiles * splits * 2 <= sms and k_steps >= 4 * splits:
         splits *= 2
-    stages = 3 if gate_up else 4
-    if TMA and block_k > 256:  # a descriptor's tile is at most 256 wide: half the tile, twice the stages
-        block_k, stages = 256, 2 * stages
-    return Tiling(block_n, block_k, splits, num_warps=4, num_stages=stages, tma=TMA)
+    return Tiling(block_n, block_k, splits, num_warps=4, num_stages=3 if gate_up else 4)
+
+
+def _preload_tiling(n: int, k: int, sms: int, elem_bytes: int, splittable: bool) -> Tiling | None:
+    """A tiling whose programs each read their whole slice of K in one tile before the PDL wait, so a small
+    weight streams while the previous kernel finishes, or None where that does not fit: all row tiles in one
+    wave and at most PRELOAD_MAX_BYTES a program. 16 rows a program, K split while the programs still fit the
+    GPU; 32 rows (twice the splits) where a split weight's slices of 16 rows would be longer than 512. On an
+    H200 (run 19d, run 25a): Qwen2-0.5B-shaped qkv 3.6 -> 2.3 µs (16 rows, whole K) and o + add+RMSNorm 3.3 ->
+    2.7 µs (16 rows, 2 slices); the released talker's qkv (2560 x 896) 3.96 -> 3.72 µs (32 rows, whole K) and
+    o (896 x 1536) 4.17 -> 3.67 µs (32 rows, 4 slices of 384). Its codec head (528 tiles of 16) is faster on
+    the K loop: tiles past the first wave gain nothing (7.2 against 5.5 µs)."""
+    for block_n in (16, 32):
+        tiles = triton.cdiv(n, block_n)
+        if tiles > sms:
+            continue
+        splits = 1
+        while splittable and tiles * splits * 2 <= sms and k >= 512 * splits:
+            splits *= 2
+        block_k = triton.next_power_of_2(triton.cdiv(k, splits))
+        if block_n * block_k * elem_bytes > PRELOAD_MAX_BYTES or (splittable and block_n == 16 and block_k > 512):
+            continue
+        return Tiling(block_n, block_k, splits, num_warps=_preload_warps(block_n, block_k, elem_bytes),
+                      num_stages=1, preload=True)
+    return None
 
 
 def _preload_warps(block_n: int, block_k: int, elem_bytes: int) -> int:
@@ -270,7 +243,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         x = x.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("skinny_gemm: the weight's rows must be contiguous")
-    t = tiling or choose_tiling(n, k, _sm_count(x.device), gate_up, x.element_size())
+    t = tiling or choose_tiling(n, k, _sm_count(x.device), gate_up, x.element_size(),
+                                splittable=partial and rotary is None)
     if t.preload and gate_up:
         raise ValueError("skinny_gemm: no preloaded tiles for gate-up weights")
     splits = t.splits if partial else 1
@@ -287,19 +261,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         y = torch.empty(m, rotary.q_heads * rotary.head_dim, dtype=x.dtype, device=x.device)
     else:
         y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    grid = (triton.cdiv(n, t.block_n), splits)
-    if t.tma and rotary is None and not t.preload and _tma_ok(weight, t):
-        _skinny_gemm_tma_kernel[grid](
-            x, _descriptor(weight, t.block_n, block_k), bias if bias is not None else weight, y, m, n, k,
-            x.stride(0), m * n if partial else 0, y.stride(-2), k_per_split,
-            HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=block_k,
-            num_warps=num_warps, num_stages=t.num_stages, **pdl.kernel_args(x.device),
-        )
-        return y
     r = rotary or _NO_ROTARY
-    _skinny_gemm_kernel[grid](
+    _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
         m * n if partial else 0, y.stride(-2), k_per_split,
         *(r.args or (weight,) * 5), *r.strides, r.q_heads, r.kv_heads,
@@ -309,29 +272,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         num_warps=num_warps, num_stages=t.num_stages, **pdl.kernel_args(x.device),
     )
     return y
-
-
-def _tma_ok(weight: torch.Tensor, t: Tiling) -> bool:
-    """A descriptor can describe the weight: 16-byte aligned base and rows, tiles of at most 256 per side."""
-    return (TensorDescriptor is not None and _tma_device(weight.device) and weight.data_ptr() % 16 == 0
-            and weight.stride(0) * weight.element_size() % 16 == 0 and t.block_n <= 256 and t.block_k <= 256)
-
-
-@cache
-def _tma_device(device: torch.device) -> bool:
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
-
-
-_descriptors: dict[tuple, object] = {}
-
-
-def _descriptor(weight: torch.Tensor, block_n: int, block_k: int):
-    """The weight's TMA descriptor for [block_n, block_k] tiles, made once per weight (it holds only the
-    address, shape and strides, so equal keys always describe the same tiles)."""
-    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(0), weight.dtype, block_n, block_k)
-    if key not in _descriptors:
-        _descriptors[key] = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [block_n, block_k])
-    return _descriptors[key]
 
 
 @dataclass(frozen=True)

@@ -79,10 +79,15 @@ def test_choose_tiling(monkeypatch) -> None:
     assert skinny.choose_tiling(896, 18944, sms=132) == skinny.Tiling(32, 512, 4, 4, 4)  # talker down: split K
     assert skinny.choose_tiling(3584, 18944, sms=132).splits == 1  # thinker down: 112 row tiles already
     assert skinny.choose_tiling(18944, 896, sms=132, gate_up=True) == skinny.Tiling(32, 128, 1, 4, 3)
-    # small weights read whole before the PDL wait, 16 rows a program: talker o in 2 slices of K, qkv in one
+    # small weights read whole before the PDL wait. Qwen2-0.5B's shapes: 16 rows a program, o in 2 slices of K,
+    # qkv (a bias: whole rows) in one
     assert skinny.choose_tiling(896, 896, sms=132) == skinny.Tiling(16, 512, 2, 4, 1, preload=True)
-    assert skinny.choose_tiling(1152, 896, sms=132) == skinny.Tiling(16, 1024, 1, 4, 1, preload=True)
+    assert skinny.choose_tiling(1152, 896, sms=132, splittable=False) == skinny.Tiling(16, 1024, 1, 4, 1, preload=True)
+    # the released talker's: o (K 1536) in 4 slices of 32 rows, qkv's 160 tiles of 16 are past one wave: 32 rows
+    assert skinny.choose_tiling(896, 1536, sms=132) == skinny.Tiling(32, 512, 4, 4, 1, preload=True)
+    assert skinny.choose_tiling(2560, 896, sms=132, splittable=False) == skinny.Tiling(32, 1024, 1, 8, 1, preload=True)
     assert not skinny.choose_tiling(8448, 896, sms=132).preload  # the codec head: more tiles than SMs
+    assert not skinny.choose_tiling(3584, 3584, sms=132).preload  # the thinker's o: 256 KB a program
     # float32 (the GPU tests' tiny models): the same bytes per stage, so shared memory still suffices
     assert skinny.choose_tiling(896, 18944, sms=132, elem_bytes=4).block_k == 256
     monkeypatch.setattr(skinny, "PRELOAD", False)  # OMNISTAGE_SKINNY_PRELOAD=0: the K loop
@@ -104,30 +109,6 @@ def test_preloaded_tiles(force_triton, rows: int, partial: bool) -> None:
                        skinny.linear(x, w, partial=True, tiling=tiling)[..., 0, :])
     with pytest.raises(ValueError, match="gate-up"):
         skinny.gate_up_silu(x, torch.randn(2 * 36, 200, device=DEVICE), tiling=tiling)
-
-
-@pytest.mark.parametrize("rows", [1, 5])
-def test_tma_tiles_equal_the_k_loop(force_triton, rows: int) -> None:
-    """Weight tiles through tensor descriptors: the same bits as the plain K loop, for split-K partials, a bias,
-    gate-up with SiLU-mul, and ragged edges (K's tail and the last row tile arrive zero-filled)."""
-    pytest.importorskip("triton.tools.tensor_descriptor")
-    x, w, b = torch.randn(rows, 200, device=DEVICE), torch.randn(72, 200, device=DEVICE), torch.randn(72, device=DEVICE)
-    plain = skinny.Tiling(block_n=32, block_k=64, splits=2)
-    tma = skinny.Tiling(block_n=32, block_k=64, splits=2, tma=True)
-    for kwargs in ({"partial": True}, {"bias": b}):
-        assert torch.equal(skinny.linear(x, w, tiling=tma, **kwargs), skinny.linear(x, w, tiling=plain, **kwargs))
-    _close(fused.sum_partials(skinny.linear(x, w, partial=True, tiling=tma), x.dtype), F.linear(x, w))
-    gate_up = torch.randn(2 * 50, 200, device=DEVICE)  # 50 rows: gate's last tile reaches into up's, masked
-    got = skinny.gate_up_silu(x, gate_up, tiling=tma)
-    assert torch.equal(got, skinny.gate_up_silu(x, gate_up, tiling=plain))
-    want = F.linear(x, gate_up)
-    _close(got, F.silu(want[:, :50]) * want[:, 50:])
-    assert torch.equal(skinny.linear(x[:1], w, partial=True, tiling=tma)[:, 0],
-                       skinny.linear(x, w, partial=True, tiling=tma)[:, 0])
-    # a descriptor needs 16-byte rows: a 201-column float32 weight takes the plain loads instead
-    x_odd, w_odd = torch.randn(rows, 201, device=DEVICE), torch.randn(72, 201, device=DEVICE)
-    assert not skinny._tma_ok(w_odd, tma)
-    _close(skinny.linear(x_odd, w_odd, tiling=tma), F.linear(x_odd, w_odd))
 
 
 # bfloat16 only on a GPU: Triton's interpreter computes bfloat16 dots wrongly

@@ -137,7 +137,7 @@ def test_greedy_matches_hf_through_the_triton_kernels(tiny_lm: str, hf_reference
     partial_results = []
     launch = skinny._launch
     monkeypatch.setattr(skinny, "_use_triton", lambda x: x.dim() == 2 and x.shape[0] <= skinny.MAX_ROWS)
-    monkeypatch.setattr(skinny, "choose_tiling", lambda *shape: skinny.Tiling(block_n=16, block_k=16, splits=2))
+    monkeypatch.setattr(skinny, "choose_tiling", lambda *shape, **kw: skinny.Tiling(block_n=16, block_k=16, splits=2))
 
     head_results, rotary_results = [], []
 
