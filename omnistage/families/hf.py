@@ -194,9 +194,16 @@ class HFCausalLM:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed_tokens(token_ids)
 
-    def _inputs(self, token_ids: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
+    def _inputs(self, token_ids: torch.Tensor, embeds: torch.Tensor | None, partial: bool = False) -> torch.Tensor:
+        """Input embeddings, through `input_proj` if any. `partial`: the consumer (the fused forward's first
+        add+RMSNorm) takes a linear projection's split-K partials, so a decode batch's projection is one skinny
+        GEMM kernel with no reduce of its own."""
         hidden = embeds if embeds is not None else self.embed(token_ids)
-        return self.input_proj(hidden) if self.input_proj is not None else hidden
+        if self.input_proj is None:
+            return hidden
+        if partial and isinstance(self.input_proj, nn.Linear):
+            return skinny_gemm.linear(hidden, self.input_proj.weight, self.input_proj.bias, partial=True)
+        return self.input_proj(hidden)
 
     def forward(
         self,
@@ -206,9 +213,10 @@ class HFCausalLM:
         embeds: torch.Tensor | None = None,
         output_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        hidden = self._inputs(token_ids, embeds)
         num_layers = self.kv_spec.num_layers
-        if self.fast_forward is not None and set(output_layers) <= {0, num_layers}:
+        fast = self.fast_forward is not None and set(output_layers) <= {0, num_layers}
+        hidden = self._inputs(token_ids, embeds, partial=fast and 0 not in output_layers)
+        if fast:
             # the embeddings and the final states are the fast loop's own input and output
             out = self.fast_forward(hidden, positions, attn)
             return out, {i: hidden if i == 0 else out for i in output_layers}

@@ -111,7 +111,9 @@ if triton is not None:
             return
         out = Y + split * stride_ys + m[:, None] * stride_ym + rows[None, :]
         ok = m_ok[:, None] & row_ok[None, :]
-        if PARTIAL:
+        if PARTIAL:  # a bias rides on the first slice's partials
+            if HAS_BIAS:
+                acc += tl.load(B + rows, mask=row_ok & (split == 0), other=0.0).to(tl.float32)[None, :]
             tl.store(out, acc, mask=ok)
         else:
             dtype = X.dtype.element_ty  # rounded to the activations' dtype, then stored as Y's (maybe float32)
@@ -290,10 +292,10 @@ _NO_ROTARY = _Rotary(None, (0, 0, 0), 0, 0, 2)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partial: bool = False,
            tiling: Tiling | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K]. With `partial`, the result may come back as fp32 partial sums
-    [splits, M, N] to be summed (in order) by the consumer; `add_rmsnorm` accepts them."""
+    [splits, M, N] (the bias in the first) to be summed (in order) by the consumer; `add_rmsnorm` accepts them."""
     if not _use_triton(x):
         return F.linear(x, weight, bias)
-    return _launch(x, weight, bias, weight.shape[0], False, partial and bias is None, tiling)
+    return _launch(x, weight, bias, weight.shape[0], False, partial, tiling)
 
 
 def linear_to_float(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -47,8 +47,13 @@ def test_split_k_partials_and_their_sum_in_add_rmsnorm(force_triton) -> None:
     out, summed = fused.add_rmsnorm(parts, None, norm_w, 1e-6)
     _close(summed, F.linear(x, w))
     _close(out, fused.add_rmsnorm(F.linear(x, w), None, norm_w, 1e-6)[0])
-    # a bias cannot be split: the finished rows come back
-    assert skinny.linear(x, w, torch.randn(40, device=DEVICE), partial=True).dim() == 2
+    # a bias rides on the first slice: the partials still sum to the linear layer, and add_rmsnorm takes them
+    b = torch.randn(40, device=DEVICE)
+    parts = skinny.linear(x, w, b, partial=True, tiling=skinny.Tiling(block_n=16, block_k=32, splits=4))
+    assert parts.shape == (4, 2, 40)
+    assert torch.equal(parts[1:], skinny.linear(x, w, partial=True, tiling=skinny.Tiling(16, 32, 4))[1:])
+    _close(fused.sum_partials(parts, x.dtype), F.linear(x, w, b))
+    _close(fused.add_rmsnorm(parts, None, norm_w, 1e-6)[0], fused.add_rmsnorm(F.linear(x, w, b), None, norm_w, 1e-6)[0])
 
 
 def test_one_slice_is_not_partial(force_triton) -> None:
@@ -97,14 +102,15 @@ def test_choose_tiling(monkeypatch) -> None:
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("partial", [False, True])
 def test_preloaded_tiles(force_triton, rows: int, partial: bool) -> None:
-    """One tile per program's slice of K, read before the wait: the same result as the K loop; a bias (no
-    split) widens the tile to the whole K; and a row still does not depend on its batch."""
+    """One tile per program's slice of K, read before the wait: the same result as the K loop; a bias (on the
+    first slice's partials, or finished rows over the whole K in one wider tile); and a row still does not
+    depend on its batch."""
     x, w = torch.randn(rows, 200, device=DEVICE), torch.randn(72, 200, device=DEVICE)
     tiling = skinny.Tiling(block_n=32, block_k=128, splits=2, num_stages=1, preload=True)
     got = fused.sum_partials(skinny.linear(x, w, partial=partial, tiling=tiling), x.dtype)
     _close(got, F.linear(x, w))
     b = torch.randn(72, device=DEVICE)
-    _close(skinny.linear(x, w, b, partial=partial, tiling=tiling), F.linear(x, w, b))
+    _close(fused.sum_partials(skinny.linear(x, w, b, partial=partial, tiling=tiling), x.dtype), F.linear(x, w, b))
     assert torch.equal(skinny.linear(x[:1], w, partial=True, tiling=tiling)[..., 0, :],
                        skinny.linear(x, w, partial=True, tiling=tiling)[..., 0, :])
     with pytest.raises(ValueError, match="gate-up"):

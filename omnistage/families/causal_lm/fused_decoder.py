@@ -80,9 +80,11 @@ class FusedDecoder:
         return add_rmsnorm(x, residual, module.weight, module.variance_epsilon)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        """hidden: [T, H] input embeddings -> final (normed) hidden states [T, H]."""
-        cos, sin = attn.rotary if attn.rotary is not None else rotary_tables(self.decoder, positions, hidden.dtype)
-        num_tokens = hidden.shape[0]
+        """hidden: [T, H] input embeddings (or a linear's split-K partials [splits, T, H], summed by the first
+        add+RMSNorm) -> final (normed) hidden states [T, H]."""
+        dtype = self.layers[0]["qkv_w"].dtype if self.layers else hidden.dtype  # the activations'
+        cos, sin = attn.rotary if attn.rotary is not None else rotary_tables(self.decoder, positions, dtype)
+        num_tokens = hidden.shape[-2]
         residual = None
         for p in self.layers:
             x, residual = self._norm(hidden, residual, p["in_norm"])

@@ -114,6 +114,46 @@ def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference, a
     assert stats["thinker"]["num_overlapped_steps"] > 0  # its hidden states leave steps kept in flight too
 
 
+def test_talker_through_the_triton_kernels_equals_transformers(tiny_qwen2_5_omni: str, reference,
+                                                               monkeypatch) -> None:
+    """The skinny-GEMM path forced on (on CPU: Triton's interpreter), as decode steps take it on a GPU: the talker's
+    input projection (thinker width -> talker width, with a bias) leaves split-K partials, the bias on the first,
+    that the first layer's add+RMSNorm sums; text and speech still equal transformers'."""
+    import omnistage.kernels.fused as fused
+    import omnistage.kernels.skinny_gemm as skinny
+
+    pytest.importorskip("triton")
+    launch, launches = skinny._launch, []
+
+    def spy(x, weight, bias, *args, **kwargs):
+        y = launch(x, weight, bias, *args, **kwargs)
+        launches.append((tuple(weight.shape), bias is not None, y.dim() == 3))
+        return y
+
+    monkeypatch.setattr(skinny, "_use_triton", lambda x: x.dim() == 2 and x.shape[0] <= skinny.MAX_ROWS)
+    monkeypatch.setattr(skinny, "choose_tiling", lambda *shape, **kw: skinny.Tiling(block_n=16, block_k=16, splits=2))
+    monkeypatch.setattr(skinny, "_launch", spy)
+    monkeypatch.setattr(fused, "_use_triton", lambda x: True)
+    thinker_tokens, wav = reference
+    params = {
+        "thinker": SamplingParams(max_tokens=THINKER_TOKENS, temperature=0, ignore_eos=True),
+        "talker": SamplingParams(max_tokens=TALKER_CODES, temperature=0, repetition_penalty=1.05, ignore_eos=True),
+    }
+    # inline, so the patches reach the stages; the reply handed over at its end, so no two stages run the
+    # interpreter at once (its state is not thread-safe)
+    deploy = {"async_chunk": False, "worker_backend": "inline", "stages": {"*": {"max_model_len": 512, **FP32}}}
+    with Omni(tiny_qwen2_5_omni, deploy) as omni:
+        (spoken,) = omni.generate([MESSAGES], params, ("text", "audio"), voice=VOICE)
+    assert spoken.error is None, spoken.error
+    assert spoken.token_ids == thinker_tokens
+    torch.testing.assert_close(torch.from_numpy(spoken.audio), wav.float(), rtol=1e-4, atol=1e-4)
+    from transformers import AutoConfig
+
+    talker = AutoConfig.from_pretrained(tiny_qwen2_5_omni).talker_config
+    projection = (talker.hidden_size, talker.embedding_size)
+    assert (projection, True, True) in launches, "the input projection should leave partials with its bias"
+
+
 def test_image_and_audio_input_equal_transformers(tiny_qwen2_5_omni: str) -> None:
     import numpy as np
     from PIL import Image
