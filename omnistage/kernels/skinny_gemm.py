@@ -52,9 +52,6 @@ MAX_ROWS = 16  # tl.dot's smallest M; larger decode batches go to cuBLAS
 # (OMNISTAGE_SKINNY_PRELOAD=0: the K loop after the wait, as for larger K; for comparisons).
 PRELOAD = os.environ.get("OMNISTAGE_SKINNY_PRELOAD", "1") != "0"
 PRELOAD_MAX_BYTES = 65536  # of weights per program (8 warps hold them in registers)
-# Tall weights split over K (K >> N: the talker's down projection) in 8 KB stages, up to two programs a SM
-# (OMNISTAGE_SKINNY_SMALL_SPLITS=0: 32 KB stages, a program a SM; for comparisons)
-SMALL_SPLITS = os.environ.get("OMNISTAGE_SKINNY_SMALL_SPLITS", "1") != "0"
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -191,7 +188,9 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
     powers of two while the programs still fit one per SM with every slice at least two steps long. More
     programs than SMs was slower on every split shape: a program's stages in flight keep the memory busy (and
     twice or four times the programs, sized for 2 or 4 per SM, slowed the talker alone and beside token2wav
-    alike: 1.287 -> 1.338 / 1.406 ms a code, run 18c).
+    alike: 1.287 -> 1.338 / 1.406 ms a code, run 18c). The talker's down projection in 8 KB stages and 9 slices
+    (a quarter of the shared memory a program, two programs a SM) was faster alone (1.128 -> 1.111 ms a code)
+    but slower in the pipeline (1.305 -> 1.315 ms a code after the reply; run 25e, branch exp/small-splits).
     Small weights are read whole instead (`_preload_tiling`). `splittable`: the result may come back as split-K
     partials (no bias, no rotary epilogue); otherwise a split's slices would be joined into one anyway.
     From shapes and SM count only, so a CUDA graph captured once stays valid."""
@@ -208,9 +207,6 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
     splits = 1
     while row_tiles * splits * 2 <= sms and k_steps >= 4 * splits:
         splits *= 2
-    if splits > 1 and splittable and SMALL_SPLITS:  # a tall weight: 8 KB stages, up to two programs a SM
-        block_k = 8192 // (block_n * elem_bytes)
-        splits = max(splits, min(2 * sms // row_tiles, triton.cdiv(k, block_k) // 4))
     return Tiling(block_n, block_k, splits, num_warps=4, num_stages=3 if gate_up else 4)
 
 

@@ -81,8 +81,7 @@ def test_a_row_does_not_depend_on_its_batch(force_triton) -> None:
 
 def test_choose_tiling(monkeypatch) -> None:
     # what the sweep found best on an H200 (132 SMs), bf16
-    # talker down: K split, 8 KB stages, two programs a SM
-    assert skinny.choose_tiling(896, 18944, sms=132) == skinny.Tiling(32, 128, 9, 4, 4)
+    assert skinny.choose_tiling(896, 18944, sms=132) == skinny.Tiling(32, 512, 4, 4, 4)  # talker down: split K
     assert skinny.choose_tiling(3584, 18944, sms=132).splits == 1  # thinker down: 112 row tiles already
     assert skinny.choose_tiling(18944, 896, sms=132, gate_up=True) == skinny.Tiling(32, 128, 1, 4, 3)
     # small weights read whole before the PDL wait. Qwen2-0.5B's shapes: 16 rows a program, o in 2 slices of K,
@@ -95,10 +94,7 @@ def test_choose_tiling(monkeypatch) -> None:
     assert not skinny.choose_tiling(8448, 896, sms=132).preload  # the codec head: more tiles than SMs
     assert not skinny.choose_tiling(3584, 3584, sms=132).preload  # the thinker's o: 256 KB a program
     # float32 (the GPU tests' tiny models): the same bytes per stage, so shared memory still suffices
-    assert skinny.choose_tiling(896, 18944, sms=132, elem_bytes=4).block_k == 64
-    assert skinny.choose_tiling(896, 18944, sms=132, splittable=False).block_k == 512  # whole rows: 32 KB stages
-    monkeypatch.setattr(skinny, "SMALL_SPLITS", False)  # OMNISTAGE_SKINNY_SMALL_SPLITS=0: 32 KB stages, a program a SM
-    assert skinny.choose_tiling(896, 18944, sms=132) == skinny.Tiling(32, 512, 4, 4, 4)
+    assert skinny.choose_tiling(896, 18944, sms=132, elem_bytes=4).block_k == 256
     monkeypatch.setattr(skinny, "PRELOAD", False)  # OMNISTAGE_SKINNY_PRELOAD=0: the K loop
     assert skinny.choose_tiling(896, 896, sms=132) == skinny.Tiling(32, 128, 2, 4, 4)
 
