@@ -48,10 +48,11 @@ except ImportError:  # Triton is needed only on CUDA
     triton = None
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger decode batches go to cuBLAS
-# Weights with K up to this many columns are read whole, one tile per program, before the PDL wait
-# (OMNISTAGE_SKINNY_PRELOAD=0: the K loop after the wait, as for larger K; for comparisons).
+# Small weights are read whole, one tile per program, before the PDL wait (`_preload_tiling`), up to this many
+# bytes a program (8 warps hold them in registers). OMNISTAGE_SKINNY_PRELOAD=0: the K loop after the wait, as
+# for larger weights (for comparisons).
 PRELOAD = os.environ.get("OMNISTAGE_SKINNY_PRELOAD", "1") != "0"
-PRELOAD_MAX_BYTES = 65536  # of weights per program (8 warps hold them in registers)
+PRELOAD_MAX_BYTES = 65536
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -217,8 +218,8 @@ def _preload_tiling(n: int, k: int, sms: int, elem_bytes: int, splittable: bool)
     GPU; 32 rows (twice the splits) where a split weight's slices of 16 rows would be longer than 512. On an
     H200 (run 19d, run 25a): Qwen2-0.5B-shaped qkv 3.6 -> 2.3 µs (16 rows, whole K) and o + add+RMSNorm 3.3 ->
     2.7 µs (16 rows, 2 slices); the released talker's qkv (2560 x 896) 3.96 -> 3.72 µs (32 rows, whole K) and
-    o (896 x 1536) 4.17 -> 3.67 µs (32 rows, 4 slices of 384). Its codec head (528 tiles of 16) is faster on
-    the K loop: tiles past the first wave gain nothing (7.2 against 5.5 µs)."""
+    o (896 x 1536) 4.17 -> 3.67 µs (32 rows, 4 slices of 384). The talker's codec head (528 tiles of 16) is
+    faster on the K loop: tiles past the first wave gain nothing (7.2 against 5.5 µs)."""
     for block_n in (16, 32):
         tiles = triton.cdiv(n, block_n)
         if tiles > sms:
