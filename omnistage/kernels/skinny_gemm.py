@@ -193,7 +193,7 @@ def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: i
     (a quarter of the shared memory a program, two programs a SM) was faster alone (1.128 -> 1.111 ms a code)
     but slower in the pipeline (1.305 -> 1.315 ms a code after the reply; run 25e, branch exp/small-splits).
     Small weights are read whole instead (`_preload_tiling`). `splittable`: the result may come back as split-K
-    partials (no bias, no rotary epilogue); otherwise a split's slices would be joined into one anyway.
+    partials (the caller sums them; no rotary epilogue); otherwise a split's slices would be joined into one.
     From shapes and SM count only, so a CUDA graph captured once stays valid."""
     if PRELOAD and not gate_up:
         preloaded = _preload_tiling(n, k, sms, elem_bytes, splittable)
