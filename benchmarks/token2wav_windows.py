@@ -11,6 +11,7 @@ float32 one (random weights: the speech a trained model makes may react differen
     python benchmarks/token2wav_windows.py --out t2w.jsonl              # GPU
     python benchmarks/token2wav_windows.py --tiny                       # the tiny checkpoint's config (CPU)
     python benchmarks/token2wav_windows.py --lengths --dtypes bfloat16  # one window's solve by its length
+    python benchmarks/token2wav_windows.py --vocoder                    # the vocoder by precision (GPU)
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def main() -> None:
                          "window length the default windows grow through, up to --max-window, with and without "
                          "the deploy's SM carveout")
     ap.add_argument("--max-window", type=int, default=384)
+    ap.add_argument("--vocoder", action="store_true",
+                    help="instead: the vocoder alone (graph replay) by mel frames and batch in float32 with cuDNN's "
+                         "TF32 off, as torch leaves it, and in bfloat16; each one's distance from the first")
     args = ap.parse_args()
     from transformers import Qwen2_5OmniConfig
 
@@ -94,6 +98,9 @@ def main() -> None:
 
     record = recorder(args.out)
 
+    if args.vocoder:
+        vocoder_rows(model, voices, device, record)
+        return
     if args.lengths:
         for name in args.dtypes.split(","):
             length_rows(model, voices, device, name, limit, args.max_window, record)
@@ -179,6 +186,36 @@ def length_rows(model, voices: dict, device: torch.device, name: str, limit: int
             vocoder = statistics.median(vocode_seconds(decoder, mel) for _ in range(5))
             record(part="token2wav_length", dit_dtype=name, carveout=carveout, codes=codes,
                    solve_ms=round(1000 * solve, 2), vocoder_ms=round(1000 * vocoder, 2))
+
+
+def vocoder_rows(model, voices: dict, device: torch.device, record, shapes=((80, 1), (128, 1), (224, 1), (416, 1),
+                                                                            (128, 8), (128, 32))) -> None:
+    """The vocoder alone by precision: milliseconds a pass (graph replay) for each (mel frames, batch), the
+    window shapes of the default schedule (24, 48, 96, 192 codes and 16 frames of context a side), and the
+    relative RMS distance of each precision's waveform from strict float32's on the same mel."""
+    torch.manual_seed(1)
+    mel = (torch.randn(1, model.config.dit_config.mel_dim, 416, device=device) - 4).cumsum(-1) / 20 - 4
+    reference = None
+    precisions = [("float32_strict", False, "float32"), ("float32", None, "float32"), ("bfloat16", None, "bfloat16")]
+    for name, cudnn_tf32, dtype in precisions if device.type == "cuda" else precisions[:1]:
+        default = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = default if cudnn_tf32 is None else cudnn_tf32
+        try:
+            decoder = models.Token2Wav(model, voices, device, window=48, vocoder_dtype=dtype, max_batch=32)
+            for frames in sorted({frames for frames, _ in shapes} if device.type == "cuda" else ()):  # all batches
+                decoder.vocode.capture(torch.zeros(1, mel.shape[1], frames, device=device))
+            with torch.inference_mode():
+                wave = decoder.vocode(mel)[0].clone()
+            if reference is None:
+                reference = wave
+            rms = ((wave - reference).pow(2).mean() / reference.pow(2).mean()).sqrt().item()
+            for frames, batch in shapes:
+                batch_mel = mel[:, :, :frames].expand(batch, -1, -1).contiguous()
+                ms = 1000 * statistics.median(vocode_seconds(decoder, batch_mel) for _ in range(5))
+                record(part="vocoder_precision", precision=name, cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
+                       frames=frames, batch=batch, vocoder_ms=round(ms, 2), relative_rms_vs_strict=round(rms, 5))
+        finally:
+            torch.backends.cudnn.allow_tf32 = default
 
 
 def vocode_seconds(decoder: models.Token2Wav, mel: torch.Tensor) -> float:

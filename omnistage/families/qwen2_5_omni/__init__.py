@@ -240,7 +240,7 @@ def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: Stage
     return StageInput(out.request_id, codes, params=params, final=out.finished)
 
 
-TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolean)
+TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolean; a tuple: the choices)
     "window": ("codes per streamed audio chunk; 0 decodes the whole utterance at the end", 0),
     "first_window": ("codes in the first chunk (smaller: audio starts sooner); default: 24, or window if smaller", 1),
     "max_window": ("later windows double from window up to this many codes (less context recomputed per code, "
@@ -260,6 +260,8 @@ TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolea
     "overlap_vocoder_max_batch": ("on CUDA, the vocoder of a batch of up to this many windows runs on a stream "
                                   "of its own, so a request's next window is solved while the last one is "
                                   "vocoded; 0: never (default: 2)", 0),
+    "vocoder_dtype": ("the vocoder's convolutions: float32 (default) or bfloat16 (CUDA: tensor cores, less exact)",
+                      ("float32", "bfloat16")),
 }
 
 
@@ -272,6 +274,10 @@ def token2wav_options(options: dict[str, Any]) -> dict[str, Any]:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{where}: unknown option{hint} (valid: {', '.join(TOKEN2WAV_OPTIONS)})")
         what, least = TOKEN2WAV_OPTIONS[key]
+        if isinstance(least, tuple):
+            if value not in least:
+                raise ConfigError(f"{where}: expected one of {', '.join(least)}, got {value!r} ({what})")
+            continue
         if least is None and not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r} ({what})")
         if least is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):

@@ -41,7 +41,7 @@ from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 from omnistage.families.qwen2_5_omni.dit import DiTSolver
-from omnistage.families.qwen2_5_omni.vocoder import fuse_activations
+from omnistage.families.qwen2_5_omni.vocoder import cast_convolutions, fuse_activations
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,8 @@ class Token2Wav:
     batches of up to `carveout_max_batch` windows (None: every batch): latency where few requests speak, with
     the larger batches of a busy server left at full speed. `overlap_vocoder_max_batch` > 0 (CUDA): the vocoder
     runs on a stream of its own, and after a batch of up to that many windows the next solve starts beside it
-    (see `launch`).
+    (see `launch`). `vocoder_dtype` "bfloat16" (CUDA): the vocoder's convolutions in bfloat16 on tensor cores;
+    its activations still compute in float32.
     """
 
     HOP = 240  # waveform samples per mel frame
@@ -259,7 +260,7 @@ class Token2Wav:
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
                  use_graphs: bool = True, max_batch: int = 16, tf32: bool = False, kept_context: bool = True,
                  cublas_sm_carveout: int = 0, carveout_max_batch: int | None = None,
-                 overlap_vocoder_max_batch: int = 2):
+                 overlap_vocoder_max_batch: int = 2, vocoder_dtype: str = "float32"):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
         self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder stays in float32 whatever this is
@@ -285,6 +286,11 @@ class Token2Wav:
                              for name, v in voices.items()}
         if device.type == "cuda":
             fuse_activations(model.code2wav_bigvgan_model)  # two Triton kernels per anti-aliased activation
+        self.vocoder_dtype = getattr(torch, vocoder_dtype)
+        if self.vocoder_dtype != torch.float32:
+            if device.type != "cuda":
+                raise ValueError(f"vocoder_dtype {vocoder_dtype} needs CUDA (its activations are fused kernels)")
+            cast_convolutions(model.code2wav_bigvgan_model, self.vocoder_dtype)
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
         # Graphs replayed one at a time share a memory pool; the vocoder's overlap the next solve: a pool apart.
         self.overlap_vocoder_max_batch = overlap_vocoder_max_batch if device.type == "cuda" else 0
@@ -533,12 +539,12 @@ class Token2Wav:
         copy to the host (so batches and graph capture work), the dB scaling with Python constants."""
         v = self.model.code2wav_bigvgan_model
         db = 20 * torch.log10(torch.clamp(torch.exp(mel), min=_MIN_AMPLITUDE)) - 20
-        x = v.conv_pre(torch.clamp(2 * ((db + 115) / 115) - 1, -1, 1))
+        x = v.conv_pre(torch.clamp(2 * ((db + 115) / 115) - 1, -1, 1).to(self.vocoder_dtype))
         for i in range(v.num_upsample_layers):
             x = v.ups[i][0](x)
             blocks = v.resblocks[i * v.num_residual_blocks : (i + 1) * v.num_residual_blocks]
             x = sum(block(x) for block in blocks) / v.num_residual_blocks
-        return torch.clamp(v.conv_post(v.activation_post(x)), min=-1.0, max=1.0)[:, 0]
+        return torch.clamp(v.conv_post(v.activation_post(x)).float(), min=-1.0, max=1.0)[:, 0]
 
 
 _MIN_AMPLITUDE = math.exp(-115 / 20.0 * math.log(10))  # -115 dB, the vocoder's floor

@@ -5,7 +5,9 @@ replicate pad, a 2x upsampling grouped transposed convolution (12 taps), SnakeBe
 downsampling depthwise convolution (12 taps); at a batch of streamed windows those passes take about three
 quarters of the vocoder's time. Here two Triton kernels do it: one computes each upsampled sample as a 6-tap
 polyphase sum of the input and applies SnakeBeta, the other takes the 12-tap low-pass of every second one;
-both pads are clamped indices. Same arithmetic up to float summation order.
+both pads are clamped indices. Same arithmetic up to float summation order. The kernels read and write the
+vocoder's dtype (float32, or bfloat16 with `cast_convolutions`) and compute in float32; the upsampled signal
+between them stays float32.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ if triton is not None:
         even = tl.zeros([BLOCK], dtype=tl.float32)
         odd = tl.zeros([BLOCK], dtype=tl.float32)
         for d in tl.static_range(7):  # inputs p-3 .. p+3: even samples take p-3..p+2, odd ones p-2..p+3
-            value = tl.load(x + tl.minimum(tl.maximum(p + d - 3, 0), length - 1), mask=ok, other=0.0)
+            value = tl.load(x + tl.minimum(tl.maximum(p + d - 3, 0), length - 1), mask=ok, other=0.0).to(tl.float32)
             if d < 6:
                 even += value * tl.load(UP + 11 - 2 * d)
             if d > 0:
@@ -64,16 +66,17 @@ if triton is not None:
             weight = tl.load(DOWN + tap, mask=(tap >= 0) & (tap < 12), other=0.0)
             n = tl.minimum(tl.maximum(2 * (t[:, None] + j - 3) + parity[None, :], 0), 2 * length - 1)
             acc += weight[None, :] * tl.load(s + n, mask=ok[:, None], other=0.0)
-        tl.store(Y + row * length + t, tl.sum(acc, axis=1), mask=ok)
+        tl.store(Y + row * length + t, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=ok)
 
 
 def fused_available(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and x.dtype == torch.float32
+    return triton is not None and x.is_cuda and x.dtype in (torch.float32, torch.bfloat16)
 
 
 class FusedAntiAliasedSnake(nn.Module):
     """Drop-in for transformers' `Qwen2_5OmniAntiAliasedActivation1d` around a SnakeBeta: the fused kernel on
-    CUDA (float32), the wrapped module elsewhere."""
+    CUDA (float32 or bfloat16 signals; its filters and SnakeBeta parameters stay float32), the wrapped module
+    elsewhere."""
 
     def __init__(self, activation: nn.Module):
         super().__init__()
@@ -101,7 +104,7 @@ def anti_aliased_snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Ten
     1 / (exp(beta) + eps)), low-pass 2x downsample (`down`)."""
     x = x.contiguous()
     batch, channels, length = x.shape
-    upsampled = torch.empty(batch, channels, 2 * length, device=x.device, dtype=x.dtype)
+    upsampled = torch.empty(batch, channels, 2 * length, device=x.device, dtype=torch.float32)
     out = torch.empty_like(x)
     grid = (batch * channels, triton.cdiv(length, block))
     _upsample_snake_kernel[grid](x, upsampled, alpha, inv_beta, up, channels, length, BLOCK=block)
@@ -121,3 +124,13 @@ def fuse_activations(vocoder: nn.Module) -> int:
                 setattr(module, name, FusedAntiAliasedSnake(child))
                 swapped += 1
     return swapped
+
+
+def cast_convolutions(vocoder: nn.Module, dtype: torch.dtype) -> int:
+    """Cast the vocoder's convolutions (nearly all of its arithmetic) to `dtype`, after `fuse_activations`: the
+    fused activations' float32 filters and SnakeBeta parameters stay as they are. Returns how many were cast.
+    Needs the fused activations on every path (CUDA): transformers' own would mix dtypes."""
+    convolutions = [m for m in vocoder.modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))]
+    for module in convolutions:
+        module.to(dtype)
+    return len(convolutions)
