@@ -52,10 +52,6 @@ class StageConfig(_Strict):
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
         "favours when stages share it; None: high for autoregressive stages (short steps a request waits on), "
         "normal for the rest")
-    sm_count: int | None = Field(
-        None, ge=1, description="GPU stages: run this stage's kernels on a partition of this many SMs (a CUDA green "
-        "context; the driver rounds up to its granularity), so its long kernels never fill the GPU and the "
-        "latency-bound stages beside it find SMs free; None: all SMs")
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict, description="Stage-specific knobs its family documents")
 

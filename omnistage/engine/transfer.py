@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.devices import new_stream
-
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` on `device`, copied asynchronously through pinned memory on CUDA. A copy from pageable memory
@@ -67,6 +65,5 @@ def own_capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
     """A stream to capture one component's CUDA graphs on. cuBLAS keeps a workspace per (handle, stream) and
     a graph keeps the one it was captured with: graphs captured on torch's shared default capture stream
     would share it, and stages replaying theirs at once in one process (inline workers, each on its own
-    stream) would race on it (split matmuls synchronise through it: a hang, not just wrong numbers). On the
-    thread's SM partition if it has one (devices.within): the graphs' kernels then stay on its SMs."""
-    return new_stream(device if device is not None else torch.device("cuda", torch.cuda.current_device()))
+    stream) would race on it (split matmuls synchronise through it: a hang, not just wrong numbers)."""
+    return torch.cuda.Stream(device)

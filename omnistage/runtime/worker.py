@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from omnistage.devices import SMPartition, on_device, within
+from omnistage.devices import on_device
 from omnistage.engine.base import Engine
 from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import OmniError
@@ -210,8 +210,7 @@ class InlineStageWorker:
     this stream uses them, so their memory is not reused before it has read them."""
 
     def __init__(self, stage: str, replica: int, engine: Engine, on_outputs: OutputCallback,
-                 on_exit: ExitCallback | None = None, stream_priority: str | None = None,
-                 partition: SMPartition | None = None):
+                 on_exit: ExitCallback | None = None, stream_priority: str | None = None):
         self.stage, self.replica = stage, replica
         self.inflight = InFlight(stage, replica, on_outputs)
         self.on_exit = on_exit
@@ -220,10 +219,8 @@ class InlineStageWorker:
         self.stream = None
         if device is not None and torch.device(device).type == "cuda":
             high = stream_priority == "high" or (stream_priority is None and getattr(engine, "latency_bound", False))
-            priority = -1 if high else 0
-            self.stream = partition.stream(priority) if partition else torch.cuda.Stream(device, priority=priority)
+            self.stream = torch.cuda.Stream(device, priority=-1 if high else 0)
             torch.cuda.synchronize(device)  # what building the engine left on the default stream is done
-        self.partition = partition  # streams the engine makes while it runs come from it too
         self.loop = EngineLoop(stage, engine, self._report, receive=self._receive)
         self._stopping = False
         self.thread = threading.Thread(target=self._run, name=f"stage-{stage}-{replica}", daemon=True)
@@ -298,8 +295,7 @@ class InlineStageWorker:
     def _run(self) -> None:
         try:
             device = self.stream.device if self.stream is not None else None
-            with on_device(device), within(self.partition), (
-                    torch.cuda.stream(self.stream) if device is not None else contextlib.nullcontext()):
+            with on_device(device), torch.cuda.stream(self.stream) if device is not None else contextlib.nullcontext():
                 self.loop.run()
         except Exception as exc:
             logger.exception("stage %r replica %d crashed", self.stage, self.replica)

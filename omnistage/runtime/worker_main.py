@@ -9,7 +9,6 @@ loop iteration sends its outputs and stats back.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import shutil
@@ -51,16 +50,10 @@ def serve(spec: control.WorkerSpec) -> int:
     receiver: threading.Thread | None = None
     try:
         try:
-            import torch
-
-            from omnistage.devices import resolve_device, sm_partition, within
             from omnistage.runtime.launch import build_pipeline
             from omnistage.runtime.worker import EngineLoop
 
-            pipeline = build_pipeline(spec.model, spec.deploy)
-            partition = sm_partition(resolve_device(spec.devices), pipeline.stage_config(spec.stage).sm_count)
-            with within(partition):  # graphs captured on the partition's streams keep to its SMs
-                engine = pipeline.build_engine(spec.stage, spec.devices)
+            engine = build_pipeline(spec.model, spec.deploy).build_engine(spec.stage, spec.devices)
             links = [open_link(spec.inbox), open_link(spec.outbox)]
         except Exception as exc:
             emit(control.Failed(f"{type(exc).__name__}: {exc}"))
@@ -102,8 +95,7 @@ def serve(spec: control.WorkerSpec) -> int:
         inbox_address = links[0].address if spec.inbox.type == "tcp" else None
         emit(control.Ready(os.getpid(), command_address, inbox_address))
         try:
-            with within(partition), (torch.cuda.stream(partition.stream()) if partition else contextlib.nullcontext()):
-                loop.run()
+            loop.run()
         except Exception as exc:
             emit(control.Failed(f"{type(exc).__name__}: {exc}"))
             raise

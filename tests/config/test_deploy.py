@@ -17,7 +17,6 @@ from omnistage.runtime.launch import build_pipeline
         ({"limits": {"max_media_byte": 3}}, "limits.max_media_byte: unknown field; did you mean 'max_media_bytes'?"),
         ({"worker_backend": "threads"}, "worker_backend: Input should be 'inline', 'process' or 'ray'"),
         ({"stages": {"lm": {"stream_priority": "urgent"}}}, "stages.lm.stream_priority: Input should be 'high' or"),
-        ({"stages": {"lm": {"sm_count": 0}}}, "stages.lm.sm_count: Input should be greater than or equal to 1"),
     ],
 )
 def test_bad_fields_name_the_field_and_the_closest_valid_one(raw: dict, message: str) -> None:

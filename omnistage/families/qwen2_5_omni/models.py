@@ -33,7 +33,6 @@ from safetensors import safe_open
 from torch import nn
 from transformers.initialization import no_init_weights
 
-from omnistage.devices import new_stream
 from omnistage.engine.generation.engine import InFlight
 from omnistage.engine.generation.graphs import BatchGraphs
 from omnistage.engine.transfer import HostCopy, to_device
@@ -443,7 +442,7 @@ class Token2Wav:
             return None, None
         current = torch.cuda.current_stream(self.device)
         if self._side is None or self._side[0] != current:
-            self._side = current, new_stream(self.device, current.priority)  # on the stage's SMs if partitioned
+            self._side = current, torch.cuda.Stream(self.device, priority=current.priority)
         solved = torch.cuda.Event()
         solved.record(current)
         self._side[1].wait_event(solved)
