@@ -86,6 +86,8 @@ def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) 
     ({"carveout_max_batch": 0}, "stages.token2wav.options.carveout_max_batch: expected an integer >= 1, got 0"),
     ({"overlap_vocoder_max_batch": True},
      "stages.token2wav.options.overlap_vocoder_max_batch: expected an integer >= 0, got True"),
+    ({"vocoder_dtype": "float16"},
+     "stages.token2wav.options.vocoder_dtype: expected one of float32, bfloat16, got 'float16'"),
 ])
 def test_bad_token2wav_options_fail_at_start_up_naming_the_field(tiny_qwen2_5_omni: str, options: dict,
                                                                  message: str) -> None:

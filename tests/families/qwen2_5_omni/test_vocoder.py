@@ -51,3 +51,68 @@ def test_every_vocoder_activation_is_swapped(tiny_qwen2_5_omni: str) -> None:
     assert swapped == expected
     assert vocoder.fuse_activations(bigvgan) == 0  # already swapped
     torch.testing.assert_close(after, before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bfloat16 vocoder runs on CUDA (fused activations)")
+def test_fused_activation_reads_and_writes_bfloat16() -> None:
+    """bfloat16 in and out, float32 inside: the float32 kernel's result on the same (rounded) input, rounded."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniAntiAliasedActivation1d,
+        Qwen2_5OmniSnakeBeta,
+    )
+
+    from omnistage.families.qwen2_5_omni import vocoder
+
+    torch.manual_seed(0)
+    act = Qwen2_5OmniAntiAliasedActivation1d(Qwen2_5OmniSnakeBeta(16)).to(DEVICE)
+    with torch.no_grad():
+        act.act.alpha.normal_()
+        fused = vocoder.FusedAntiAliasedSnake(act)
+        x = (2 * torch.randn(2, 16, 300, device=DEVICE)).bfloat16()
+        got = fused(x)
+        expected = fused(x.float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_bfloat16_vocoder_needs_cuda(tiny_qwen2_5_omni: str) -> None:
+    from pathlib import Path
+
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.families.qwen2_5_omni import models
+
+    path = Path(tiny_qwen2_5_omni)
+    model = models.load_token2wav(path, Qwen2_5OmniConfig.from_pretrained(path).token2wav_config, DEVICE)
+    if DEVICE.type == "cuda":
+        decoder = models.Token2Wav(model, models.load_voices(path), DEVICE, vocoder_dtype="bfloat16")
+        assert decoder.model.code2wav_bigvgan_model.conv_pre.weight.dtype == torch.bfloat16
+    else:
+        with pytest.raises(ValueError, match="vocoder_dtype bfloat16 needs CUDA"):
+            models.Token2Wav(model, models.load_voices(path), DEVICE, vocoder_dtype="bfloat16")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bfloat16 vocoder runs on CUDA (fused activations)")
+def test_bfloat16_vocoder_stays_near_float32(tiny_qwen2_5_omni: str) -> None:
+    """The same mel through the float32 and the bfloat16 vocoder: the waveforms' relative RMS distance is small
+    (2.2% on the released layout, benchmarks/token2wav_windows.py --vocoder, run 26a)."""
+    from pathlib import Path
+
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.families.qwen2_5_omni import models
+
+    path = Path(tiny_qwen2_5_omni)
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    voices = models.load_voices(path)
+    torch.manual_seed(0)
+    mel = (torch.randn(1, config.dit_config.mel_dim, 120, device=DEVICE) - 4).cumsum(-1) / 20 - 4
+    waves = []
+    for dtype in ("float32", "bfloat16"):
+        decoder = models.Token2Wav(models.load_token2wav(path, config, DEVICE), voices, DEVICE, vocoder_dtype=dtype)
+        with torch.inference_mode():
+            waves.append(decoder._vocode(mel)[0])
+    reference, got = waves
+    assert got.dtype == torch.float32 and got.shape == reference.shape
+    rms = ((got - reference).pow(2).mean() / reference.pow(2).mean()).sqrt().item()
+    assert rms < 0.05, rms
