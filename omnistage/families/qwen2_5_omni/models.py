@@ -286,11 +286,12 @@ class Token2Wav:
                              for name, v in voices.items()}
         if device.type == "cuda":
             fuse_activations(model.code2wav_bigvgan_model)  # two Triton kernels per anti-aliased activation
+        if vocoder_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"vocoder_dtype must be float32 or bfloat16, got {vocoder_dtype!r}")
+        if vocoder_dtype != "float32" and device.type != "cuda":
+            raise ValueError(f"vocoder_dtype {vocoder_dtype} needs CUDA (its activations are fused kernels there)")
         self.vocoder_dtype = getattr(torch, vocoder_dtype)
-        if self.vocoder_dtype != torch.float32:
-            if device.type != "cuda":
-                raise ValueError(f"vocoder_dtype {vocoder_dtype} needs CUDA (its activations are fused kernels)")
-            cast_convolutions(model.code2wav_bigvgan_model, self.vocoder_dtype)
+        cast_convolutions(model.code2wav_bigvgan_model, self.vocoder_dtype)  # float32 too: this setting holds
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
         # Graphs replayed one at a time share a memory pool; the vocoder's overlap the next solve: a pool apart.
         self.overlap_vocoder_max_batch = overlap_vocoder_max_batch if device.type == "cuda" else 0

@@ -75,7 +75,7 @@ def test_fused_activation_reads_and_writes_bfloat16() -> None:
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
 
 
-def test_bfloat16_vocoder_needs_cuda(tiny_qwen2_5_omni: str) -> None:
+def test_vocoder_dtype_is_checked_and_bfloat16_needs_cuda(tiny_qwen2_5_omni: str) -> None:
     from pathlib import Path
 
     from transformers import Qwen2_5OmniConfig
@@ -84,12 +84,17 @@ def test_bfloat16_vocoder_needs_cuda(tiny_qwen2_5_omni: str) -> None:
 
     path = Path(tiny_qwen2_5_omni)
     model = models.load_token2wav(path, Qwen2_5OmniConfig.from_pretrained(path).token2wav_config, DEVICE)
+    voices = models.load_voices(path)
+    with pytest.raises(ValueError, match="vocoder_dtype must be float32 or bfloat16, got 'float16'"):
+        models.Token2Wav(model, voices, DEVICE, vocoder_dtype="float16")
     if DEVICE.type == "cuda":
-        decoder = models.Token2Wav(model, models.load_voices(path), DEVICE, vocoder_dtype="bfloat16")
-        assert decoder.model.code2wav_bigvgan_model.conv_pre.weight.dtype == torch.bfloat16
+        models.Token2Wav(model, voices, DEVICE, vocoder_dtype="bfloat16")
+        assert model.code2wav_bigvgan_model.conv_pre.weight.dtype == torch.bfloat16
+        models.Token2Wav(model, voices, DEVICE)  # the setting holds whatever the model was cast to before
+        assert model.code2wav_bigvgan_model.conv_pre.weight.dtype == torch.float32
     else:
         with pytest.raises(ValueError, match="vocoder_dtype bfloat16 needs CUDA"):
-            models.Token2Wav(model, models.load_voices(path), DEVICE, vocoder_dtype="bfloat16")
+            models.Token2Wav(model, voices, DEVICE, vocoder_dtype="bfloat16")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the bfloat16 vocoder runs on CUDA (fused activations)")
