@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Wheels a bare GPU machine needs beside its own torch/triton/numpy image to run omnistage's benchmarks and GPU
+# tests (the serving stack, media, transformers at the version omnistage reads), downloaded into DIR (default
+# .whl) at the versions the local environment has: python3 -m pip install --no-index --no-deps --target
+# /tmp/site DIR/*.whl there, then PYTHONPATH=/tmp/site:$PWD. For Python 3.12 on x86-64 Linux.
+#     benchmarks/gpu_wheels.sh [DIR] [PYTHON]     # PYTHON: the environment whose versions to fetch
+set -euo pipefail
+dir=${1:-.whl}
+python=${2:-python3}
+names=(transformers regex fastapi starlette opentelemetry-api uvicorn pydantic pydantic_core annotated-types
+       typing-inspection msgspec pyzmq openai httpx2 jiter sniffio soundfile cffi pycparser soxr pytest-asyncio)
+mkdir -p "$dir"
+for name in "${names[@]}"; do
+  version=$("$python" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+  "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir" "$name${version:+==$version}"
+done
+ls "$dir"
