@@ -261,7 +261,7 @@ TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolea
                                   "of its own, so a request's next window is solved while the last one is "
                                   "vocoded; 0: never (default: 2)", 0),
     "vocoder_dtype": ("the vocoder's convolutions: float32 (default) or bfloat16 (CUDA: tensor cores, less exact)",
-                      ("float32", "bfloat16")),
+                      models.VOCODER_DTYPES),
 }
 
 

@@ -41,6 +41,7 @@ from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 from omnistage.families.qwen2_5_omni.dit import DiTSolver
+from omnistage.families.qwen2_5_omni.vocoder import DTYPES as VOCODER_DTYPES
 from omnistage.families.qwen2_5_omni.vocoder import cast_convolutions, fuse_activations
 
 logger = logging.getLogger(__name__)
@@ -286,8 +287,8 @@ class Token2Wav:
                              for name, v in voices.items()}
         if device.type == "cuda":
             fuse_activations(model.code2wav_bigvgan_model)  # two Triton kernels per anti-aliased activation
-        if vocoder_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"vocoder_dtype must be float32 or bfloat16, got {vocoder_dtype!r}")
+        if vocoder_dtype not in VOCODER_DTYPES:
+            raise ValueError(f"vocoder_dtype must be {' or '.join(VOCODER_DTYPES)}, got {vocoder_dtype!r}")
         if vocoder_dtype != "float32" and device.type != "cuda":
             raise ValueError(f"vocoder_dtype {vocoder_dtype} needs CUDA (its activations are fused kernels there)")
         self.vocoder_dtype = getattr(torch, vocoder_dtype)

@@ -22,6 +22,7 @@ except ImportError:  # Triton is needed only on CUDA
     triton = None
 
 TAPS = 12  # the released vocoder's filters (up and down), ratio 2
+DTYPES = ("float32", "bfloat16")  # what the vocoder's convolutions may run in (Token2Wav's vocoder_dtype)
 
 if triton is not None:
 

@@ -9,21 +9,28 @@ import torch
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.parametrize(("channels", "length"), [(8, 37), (3, 1), (5, 300), (2, 2)])
-def test_fused_activation_equals_transformers(channels: int, length: int) -> None:
-    pytest.importorskip("triton")
+def _activation(channels: int) -> torch.nn.Module:
+    """transformers' anti-aliased SnakeBeta on DEVICE, its alpha and beta drawn (not their flat defaults)."""
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
         Qwen2_5OmniAntiAliasedActivation1d,
         Qwen2_5OmniSnakeBeta,
     )
 
-    from omnistage.families.qwen2_5_omni import vocoder
-
-    torch.manual_seed(length)
     act = Qwen2_5OmniAntiAliasedActivation1d(Qwen2_5OmniSnakeBeta(channels)).to(DEVICE)
     with torch.no_grad():
         act.act.alpha.normal_()
         act.act.beta.normal_()
+    return act
+
+
+@pytest.mark.parametrize(("channels", "length"), [(8, 37), (3, 1), (5, 300), (2, 2)])
+def test_fused_activation_equals_transformers(channels: int, length: int) -> None:
+    pytest.importorskip("triton")
+    from omnistage.families.qwen2_5_omni import vocoder
+
+    torch.manual_seed(length)
+    act = _activation(channels)
+    with torch.no_grad():
         fused = vocoder.FusedAntiAliasedSnake(act)
         x = 2 * torch.randn(2, channels, length, device=DEVICE)
         expected = act(x)
@@ -56,17 +63,11 @@ def test_every_vocoder_activation_is_swapped(tiny_qwen2_5_omni: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the bfloat16 vocoder runs on CUDA (fused activations)")
 def test_fused_activation_reads_and_writes_bfloat16() -> None:
     """bfloat16 in and out, float32 inside: the float32 kernel's result on the same (rounded) input, rounded."""
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-        Qwen2_5OmniAntiAliasedActivation1d,
-        Qwen2_5OmniSnakeBeta,
-    )
-
     from omnistage.families.qwen2_5_omni import vocoder
 
     torch.manual_seed(0)
-    act = Qwen2_5OmniAntiAliasedActivation1d(Qwen2_5OmniSnakeBeta(16)).to(DEVICE)
+    act = _activation(16)
     with torch.no_grad():
-        act.act.alpha.normal_()
         fused = vocoder.FusedAntiAliasedSnake(act)
         x = (2 * torch.randn(2, 16, 300, device=DEVICE)).bfloat16()
         got = fused(x)
