@@ -5,7 +5,8 @@ A small window's solve is ~36 passes of 22 layers with four matmuls each, at a f
 profile put cuBLAS at ~6 µs a matmul (240 x 1024 x 1024-3072), ~2-3x what the weights' read and the FLOPs
 need. This probe times each of a layer's matmuls (qkv, o, ff up with its tanh GELU, ff down; bias always) for
 row counts of the windows a stream decodes, as a CUDA graph over 22 layers' distinct weights (a pass reads
-every layer's weights once, so none stays in L2), and reports cuBLAS and the best Triton tiles.
+every layer's weights once, so none stays in L2), and reports cuBLAS and the best Triton tiles. On an H200
+(run 27a) cuBLAS won at every shape (the o matmul at 240 rows: 5.4 against 6.0 µs), so the solver keeps it.
 
     python benchmarks/dit_gemm.py --out dit_gemm.jsonl      # GPU
 """
@@ -15,18 +16,72 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from recording import recorder
-
-from omnistage.kernels.dense_gemm import Tiles, linear as triton_linear
 
 LAYERS = 22
 # rows = 2 (guided, unguided) x windows x frames; frames = 2 x (window codes + 12 of look-ahead)
 ROWS = {"24 codes": 144, "48": 240, "96": 432, "192": 816, "48 x 8": 1920, "48 x 32": 7680}
 MATMULS = {"qkv": (3072, 1024, False), "o": (1024, 1024, False), "ff_up": (2048, 1024, True),
            "ff_down": (1024, 2048, False)}
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}s{self.num_stages}"
+
+
+@triton.jit
+def _dense_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, GELU: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # consecutive programs take consecutive row tiles of one column tile: they share its weight in L2
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % tiles_m, pid // tiles_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+    w_ptrs = W + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GELU:  # tanh form: 0.5 z (1 + tanh(u)), tanh(u) = 2 sigmoid(2u) - 1
+        u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * u)
+    out = Y + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(out, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, gelu: bool, tiles: Tiles
+                  ) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K] (then tanh GELU with `gelu`), as one Triton kernel."""
+    (m, k), n, t = x.shape, weight.shape[0], tiles
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    _dense_gemm_kernel[grid](x, weight, bias, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), GELU=gelu,
+                             PRECISION="tf32", BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                             num_warps=t.num_warps, num_stages=t.num_stages)
+    return y
 
 
 def cublas(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, gelu: bool) -> torch.Tensor:
@@ -98,10 +153,7 @@ def main() -> None:
                     continue
                 results.append((us, t, err))
             results.sort(key=lambda r: r[0])
-            default = Tiles.for_shape(m, n, k)
-            default_us = next((us for us, t, _ in results if t == default), None)
             record(part="dit_gemm", matmul=name, window=label, m=m, n=n, k=k, cublas_us=round(base, 2),
-                   default_tiles=str(default), default_us=default_us and round(default_us, 2),
                    best=[{"tiles": str(t), "us": round(us, 2), "rel_err": f"{err:.1e}"} for us, t, err in results[:4]])
 
 

@@ -1,13 +1,13 @@
 """A fused forward for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3), on the HF modules' own weights.
 
-The profile of a batch-1 decode step on an H200 showed a fifth of the GPU time in tiny elementwise
-kernels between the GEMMs. This forward keeps the weights where transformers put them but runs
-each layer as: add+RMSNorm, one QKV GEMM that also applies the rotary and writes K/V to the cache,
-paged attention, O GEMM (merging split decode attention's partials as it loads them), add+RMSNorm, one gate-up GEMM with SiLU-mul, down GEMM. Decode batches of
-≤ 16 rows on CUDA take `skinny_gemm`'s kernels instead of cuBLAS; O and down leave split-K partial
-sums that the following add+RMSNorm reduces. Q/K/V (and gate/up) weights are concatenated once at
-load and the original parameters become views of the fused ones, so no memory is added and the HF
-modules still work (the unfused path is used when intermediate hidden states are requested).
+The profile of a batch-1 decode step on an H200 showed a fifth of the GPU time in tiny elementwise kernels
+between the GEMMs. This forward keeps the weights where transformers put them but runs each layer as:
+add+RMSNorm, one QKV GEMM that also applies the rotary and writes K/V to the cache, paged attention, O GEMM
+(which may merge split decode attention's partials as it loads them), add+RMSNorm, one gate-up GEMM with
+SiLU-mul, down GEMM. Decode batches of ≤ 16 rows on CUDA take `skinny_gemm`'s kernels instead of cuBLAS; O
+and down leave split-K partial sums that the following add+RMSNorm reduces. Q/K/V (and gate/up) weights are
+concatenated once at load and the original parameters become views of the fused ones, so no memory is added
+and the HF modules still work (the unfused path is used when intermediate hidden states are requested).
 """
 
 from __future__ import annotations
