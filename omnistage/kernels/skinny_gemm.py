@@ -34,14 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.kernels import pdl
-from omnistage.kernels.attention_partials import MERGE_IN_GEMM, SplitPartials
 from omnistage.kernels.fused import rotary_kv_write, silu_mul
 
 try:
-    from omnistage.kernels.attention_partials import merged_tile
     from omnistage.kernels.fused import rotate_half_pair
 except ImportError:  # no Triton
-    merged_tile = rotate_half_pair = None
+    rotate_half_pair = None
 
 try:
     import triton
@@ -55,9 +53,6 @@ MAX_ROWS = 16  # tl.dot's smallest M; larger decode batches go to cuBLAS
 # for larger weights (for comparisons).
 PRELOAD = os.environ.get("OMNISTAGE_SKINNY_PRELOAD", "1") != "0"
 PRELOAD_MAX_BYTES = 65536
-# An O projection merges split attention's partials itself while they come to at most this many bytes a row
-# for a program's slice of K (`_merges`).
-MERGE_MAX_BYTES = 65536
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -69,9 +64,7 @@ if triton is not None:
     @triton.jit
     def _skinny_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym, k_per_split,
                             COS, SIN, SLOTS, KC, VC, stride_c, stride_ct, stride_ch, q_heads, kv_heads,
-                            MAXP, SUMP, attn_heads,
-                            HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr, MERGE: tl.constexpr,
-                            ATTN_SPLITS: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PARTIAL: tl.constexpr,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, ROTARY: tl.constexpr,
                             HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
@@ -95,23 +88,15 @@ if triton is not None:
             k_ok = ks < k_end
             w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             pdl.wait_for_inputs(PDL)
-            if MERGE:  # X: split attention's partials (attention_partials.SplitPartials), merged as they load
-                x = merged_tile(X, MAXP, SUMP, k_begin, k_end, M, attn_heads, ATTN_SPLITS, HEAD_DIM, BLOCK_K).to(
-                    W.dtype.element_ty)
-            else:
-                x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         else:
             pdl.wait_for_inputs(PDL)
             for k0 in range(k_begin, k_end, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = ks < k_end
-                if MERGE:
-                    x = merged_tile(X, MAXP, SUMP, k0, k_end, M, attn_heads, ATTN_SPLITS, HEAD_DIM, BLOCK_K).to(
-                        W.dtype.element_ty)
-                else:
-                    x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                                other=0.0)
+                x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
                 w_ok = row_ok[:, None] & k_ok[None, :]
                 w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)
                 acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -132,10 +117,7 @@ if triton is not None:
                 acc += tl.load(B + rows, mask=row_ok & (split == 0), other=0.0).to(tl.float32)[None, :]
             tl.store(out, acc, mask=ok)
         else:
-            if MERGE:  # rounded to the activations' dtype, then stored as Y's (maybe float32)
-                dtype = W.dtype.element_ty
-            else:
-                dtype = X.dtype.element_ty
+            dtype = X.dtype.element_ty  # rounded to the activations' dtype, then stored as Y's (maybe float32)
             if HAS_BIAS:
                 acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
             if GATE_UP:  # rounded where F.silu(gate(x)) * up(x) rounds
@@ -258,69 +240,43 @@ def _preload_warps(block_n: int, block_k: int, elem_bytes: int) -> int:
     return 8 if block_n * block_k * elem_bytes > 32768 else 4
 
 
-def _launch(x: torch.Tensor | SplitPartials, weight: torch.Tensor, bias: torch.Tensor | None, n: int,
-            gate_up: bool, partial: bool, tiling: Tiling | None, out_dtype: torch.dtype | None = None,
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, gate_up: bool,
+            partial: bool, tiling: Tiling | None, out_dtype: torch.dtype | None = None,
             rotary: _Rotary | None = None) -> torch.Tensor:
-    merge = x if isinstance(x, SplitPartials) else None
-    if merge is not None:  # the kernel reads the partials and merges them
-        m, k, act_dtype, x = merge.num_tokens, merge.acc.shape[1] * merge.head_dim, merge.dtype, merge.acc
-    else:
-        (m, k), act_dtype = x.shape, x.dtype
-        if x.stride(1) != 1:
-            x = x.contiguous()
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("skinny_gemm: the weight's rows must be contiguous")
-    t = tiling or choose_tiling(n, k, _sm_count(x.device), gate_up, weight.element_size(),
+    t = tiling or choose_tiling(n, k, _sm_count(x.device), gate_up, x.element_size(),
                                 splittable=partial and rotary is None)
     if t.preload and gate_up:
         raise ValueError("skinny_gemm: no preloaded tiles for gate-up weights")
-    block_k, num_warps, k_per_split, splits = _k_layout(t, k, partial, weight.element_size())
-    partial = splits > 1
-    if partial:
-        y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    elif rotary is not None:  # q only: k and v go to the cache
-        y = torch.empty(m, rotary.q_heads * rotary.head_dim, dtype=act_dtype, device=x.device)
-    else:
-        y = torch.empty(m, n, dtype=out_dtype or act_dtype, device=x.device)
-    r = rotary or _NO_ROTARY
-    merged = (merge.row_max, merge.row_sum, merge.acc.shape[1]) if merge else (weight, weight, 0)
-    _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, 0 if merge else x.stride(0), weight.stride(0),
-        m * n if partial else 0, y.stride(-2), k_per_split,
-        *(r.args or (weight,) * 5), *r.strides, r.q_heads, r.kv_heads, *merged,
-        HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial, MERGE=merge is not None,
-        ATTN_SPLITS=merge.splits if merge else 1, PRELOAD=t.preload,
-        PRECISION="ieee" if act_dtype == torch.float32 else "tf32",
-        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=block_k, ROTARY=rotary is not None,
-        HEAD_DIM=merge.head_dim if merge else r.head_dim,
-        num_warps=num_warps, num_stages=t.num_stages, **pdl.kernel_args(x.device),
-    )
-    return y
-
-
-def _k_layout(t: Tiling, k: int, partial: bool, elem_bytes: int) -> tuple[int, int, int, int]:
-    """(block_k, num_warps, k_per_split, splits) a launch runs with: `partial=False` joins the slices; a
-    preloaded tile widens where the slices are fewer than the tiling's; no slice is empty."""
     splits = t.splits if partial else 1
     block_k, num_warps = t.block_k, t.num_warps
     if t.preload and block_k * splits < k:  # fewer slices than the tiling's (a bias, say): a wider tile
         block_k = triton.next_power_of_2(triton.cdiv(k, splits))
-        num_warps = max(num_warps, _preload_warps(t.block_n, block_k, elem_bytes))
+        num_warps = max(num_warps, _preload_warps(t.block_n, block_k, x.element_size()))
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), splits) * block_k
-    return block_k, num_warps, k_per_split, triton.cdiv(k, k_per_split)
-
-
-def _merges(parts: SplitPartials, weight: torch.Tensor, partial: bool, tiling: Tiling | None) -> bool:
-    """Whether the GEMM merges `parts` as it loads them: its K tiles must start on heads, and each program
-    merges its whole slice of K, so only while that costs at most MERGE_MAX_BYTES of partials a row (the talker's
-    o: 32 splits x 384 columns; the thinker's, 3584 columns a program, gets a merge kernel of its own)."""
-    if not (MERGE_IN_GEMM and _use_triton(parts.acc.flatten(1))):
-        return False
-    k, d = parts.acc.shape[1] * parts.head_dim, parts.head_dim
-    t = tiling or choose_tiling(weight.shape[0], k, _sm_count(parts.acc.device), False, weight.element_size(),
-                                splittable=partial)
-    block_k, _, k_per_split, _ = _k_layout(t, k, partial, weight.element_size())
-    return block_k % d == 0 and k_per_split % d == 0 and parts.splits * k_per_split * 4 <= MERGE_MAX_BYTES
+    splits = triton.cdiv(k, k_per_split)  # no empty slices
+    partial = splits > 1
+    if partial:
+        y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    elif rotary is not None:  # q only: k and v go to the cache
+        y = torch.empty(m, rotary.q_heads * rotary.head_dim, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    r = rotary or _NO_ROTARY
+    _skinny_gemm_kernel[(triton.cdiv(n, t.block_n), splits)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
+        m * n if partial else 0, y.stride(-2), k_per_split,
+        *(r.args or (weight,) * 5), *r.strides, r.q_heads, r.kv_heads,
+        HAS_BIAS=bias is not None, GATE_UP=gate_up, PARTIAL=partial, PRELOAD=t.preload,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=block_k, ROTARY=rotary is not None, HEAD_DIM=r.head_dim,
+        num_warps=num_warps, num_stages=t.num_stages, **pdl.kernel_args(x.device),
+    )
+    return y
 
 
 @dataclass(frozen=True)
@@ -336,16 +292,10 @@ class _Rotary:
 _NO_ROTARY = _Rotary(None, (0, 0, 0), 0, 0, 2)
 
 
-def linear(x: torch.Tensor | SplitPartials, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           partial: bool = False, tiling: Tiling | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partial: bool = False,
+           tiling: Tiling | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K]. With `partial`, the result may come back as fp32 partial sums
-    [splits, M, N] (the bias in the first) to be summed (in order) by the consumer; `add_rmsnorm` accepts them.
-    x may be split decode attention's unmerged partials (an O projection): merged as the kernel loads them where
-    that is cheap (`_merges`), else first by a kernel of their own; the same bits either way."""
-    if isinstance(x, SplitPartials):
-        if _merges(x, weight, partial, tiling):
-            return _launch(x, weight, bias, weight.shape[0], False, partial, tiling)
-        x = x.merge()
+    [splits, M, N] (the bias in the first) to be summed (in order) by the consumer; `add_rmsnorm` accepts them."""
     if not _use_triton(x):
         return F.linear(x, weight, bias)
     return _launch(x, weight, bias, weight.shape[0], False, partial, tiling)

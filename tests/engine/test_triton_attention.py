@@ -11,8 +11,6 @@ from triton.runtime import interpreter
 from omnistage.engine.ar import triton_attention
 from omnistage.engine.ar.attention import KVSpec, PagedKVCache
 from omnistage.engine.ar.triton_attention import decode_splits, paged_attention_triton
-from omnistage.kernels import skinny_gemm as skinny
-from omnistage.kernels.attention_partials import SplitPartials
 
 _patch_tensor = interpreter._patch_lang_tensor
 
@@ -140,38 +138,6 @@ def test_split_decode_matches_reference(
     tol = 1e-4 if DEVICE.type == "cpu" else 2e-2
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
     torch.testing.assert_close(got, single, rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("tiling", [skinny.Tiling(block_n=16, block_k=32, splits=2, num_stages=1, preload=True),
-                                    skinny.Tiling(block_n=32, block_k=16, splits=2)], ids=["preloaded", "k_loop"])
-@pytest.mark.parametrize("partial", [True, False])
-@pytest.mark.parametrize("ctx_lens", [[101], [1, 37, 70]], ids=["one", "three"])
-def test_o_projection_merges_split_partials(monkeypatch: pytest.MonkeyPatch, tiling: skinny.Tiling, partial: bool,
-                                            ctx_lens: list[int]) -> None:
-    """An O projection handed split decode attention's unmerged partials merges them as it loads them: the same
-    bits as merging them in a kernel of their own and then projecting (short contexts leave splits empty)."""
-    monkeypatch.setattr(skinny, "_use_triton", lambda x: x.dim() == 2 and x.shape[0] <= skinny.MAX_ROWS)
-    merges = []
-    monkeypatch.setattr(SplitPartials, "merge", lambda self, merge=SplitPartials.merge: merges.append(1) or merge(self))
-    heads, head_dim, page = 4, 16, 4
-    q, k_cache, v_cache, _, block_tables, cu_q = _decode_inputs(heads, 2, head_dim, ctx_lens, page)
-    seq_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
-    parts = paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_q, 1, page, head_dim**-0.5,
-                                   num_splits=4, merged=False)
-    assert isinstance(parts, SplitPartials) and parts.acc.shape == (len(ctx_lens), heads, 4, head_dim)
-    w, b = torch.randn(40, heads * head_dim, device=DEVICE), torch.randn(40, device=DEVICE)
-    got = skinny.linear(parts, w, b, partial=partial, tiling=tiling)
-    assert not merges  # merged inside the GEMM
-    want = skinny.linear(parts.merge(), w, b, partial=partial, tiling=tiling)
-    assert got.shape == want.shape == ((2, len(ctx_lens), 40) if partial else (len(ctx_lens), 40))
-    assert torch.equal(got, want)
-    merged = paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_q, 1, page, head_dim**-0.5,
-                                    num_splits=4)
-    assert torch.equal(parts.merge().view_as(merged), merged)
-    # past MERGE_MAX_BYTES a row the partials are merged first, by their own kernel: the same result
-    merges.clear()
-    monkeypatch.setattr(skinny, "MERGE_MAX_BYTES", 4 * 4 * head_dim - 1)
-    assert torch.equal(skinny.linear(parts, w, b, partial=partial, tiling=tiling), want) and merges
 
 
 def test_decode_splits_rule() -> None:

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from omnistage.kernels.attention_partials import SplitPartials
-
 try:
     from omnistage.engine.ar.triton_attention import paged_attention_triton
 except ImportError:  # Triton is needed only for the CUDA backend
@@ -89,12 +87,9 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     kv_written: bool = False,
-    merged: bool = True,
-) -> torch.Tensor | SplitPartials:
+) -> torch.Tensor:
     """Store this step's K/V (unless the caller already has: `kv_written`, e.g. fused with rotary, in
-    which case key/value are not read), then attend over the cached contexts. Returns [T, H, D], or with
-    `merged=False` possibly a split decode's unmerged partials, for a consumer that merges them as it reads
-    (`skinny_gemm.linear`)."""
+    which case key/value are not read), then attend over the cached contexts. Returns [T, H, D]."""
     k_cache, v_cache = meta.kv_cache.layer(layer_idx)
     if not kv_written:
         k_cache.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
@@ -103,7 +98,7 @@ def paged_attention(
     if meta.block_tables is not None:
         return paged_attention_triton(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-            meta.max_query_len, meta.kv_cache.block_size, scale, sliding_window, merged=merged,
+            meta.max_query_len, meta.kv_cache.block_size, scale, sliding_window,
         )
     k = k_cache.index_select(0, meta.context_slots).transpose(0, 1)
     v = v_cache.index_select(0, meta.context_slots).transpose(0, 1)

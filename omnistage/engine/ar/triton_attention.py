@@ -9,8 +9,7 @@ query head. K/V are gathered page by page through the block table; softmax is co
 At small decode batches that grid is only batch * kv_heads programs, each walking its whole context
 serially: at batch 1 a handful of SMs work while the rest idle. Decode steps with too few programs to
 fill the GPU instead split each sequence's keys over SPLITS programs, which write partial (max, sum,
-unnormalised output) in float32; a second small kernel merges the partials, or the O projection's GEMM does
-as it loads them (kernels/attention_partials.py). SPLITS and the grid depend
+unnormalised output) in float32; a second small kernel merges the partials. SPLITS and the grid depend
 only on shapes (batch, heads, block-table width) and the SM count, never on the context lengths, so
 the launch is the same on every CUDA-graph replay; each program derives its key range at run time.
 """
@@ -24,7 +23,6 @@ import triton
 import triton.language as tl
 
 from omnistage.kernels import pdl
-from omnistage.kernels.attention_partials import SplitPartials
 
 
 @triton.jit
@@ -130,7 +128,7 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, Acc, Max, Sum,  # Q: [T, H, D]; Acc: [T, H, SPLITS, D] f32; Max/Sum: [T, H, SPLITS] f32
+    Q, K, V, Acc, Max, Sum,  # Q: [T, H, D]; Acc: [B, H, SPLITS, D] f32; Max/Sum: [B, H, SPLITS] f32
     block_tables, seq_lens, cu_q, scale, window, splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
@@ -184,10 +182,37 @@ def _decode_split_kernel(
         scale, window, stride_kt, stride_kh, stride_bt, BLOCK_N, PAGE, HEAD_DIM, BLOCK_D, PRECISION,
     )
     pdl.launch_next(PDL)
-    part = (q_start * GROUP * tl.num_programs(1) + head).to(tl.int64) * splits + split  # [T, H, SPLITS] index
+    part = (seq * GROUP * tl.num_programs(1) + head).to(tl.int64) * splits + split  # [B, H, SPLITS] index
     tl.store(Max + part, m_i, mask=row_ok)
     tl.store(Sum + part, l_i, mask=row_ok)
     tl.store(Acc + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _decode_combine_kernel(
+    Acc, Max, Sum, Out, cu_q, splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+):
+    """Merge one (sequence, query head)'s partials: rescale each by exp(max - overall max), then divide."""
+    pdl.wait_for_inputs(PDL)
+    pdl.launch_next(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(cu_q + seq)
+    if tl.load(cu_q + seq + 1) == q_start:
+        return
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    part = (seq * tl.num_programs(1) + head).to(tl.int64) * splits + s
+    m = tl.load(Max + part, mask=s_ok, other=-1.0e30)
+    weight = tl.exp(m - tl.max(m, axis=0))  # an empty split's -1e30 weighs 0 (its sum and acc are 0 anyway)
+    total = tl.sum(tl.load(Sum + part, mask=s_ok, other=0.0) * weight, axis=0)
+    acc = tl.load(Acc + part[:, None] * HEAD_DIM + dims[None, :], mask=s_ok[:, None] & dim_ok[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(Out + q_start.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty),
+             mask=dim_ok)
 
 
 @functools.cache
@@ -221,12 +246,10 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
-    merged: bool = True,
-) -> torch.Tensor | SplitPartials:
-    """Attention of the packed step's queries over their sequences' paged contexts, [T, H, D]. Decode-only
-    steps (max_query_len 1) take the split-K path when `decode_splits` asks for more than one split;
-    `num_splits` overrides that choice (1: always the single-pass kernel), for tests and benchmarks. There,
-    with `merged=False`, the unmerged `SplitPartials` come back for the consumer to merge."""
+) -> torch.Tensor:
+    """Attention of the packed step's queries over their sequences' paged contexts. Decode-only steps
+    (max_query_len 1) take the split-K path when `decode_splits` asks for more than one split;
+    `num_splits` overrides that choice (1: always the single-pass kernel), for tests and benchmarks."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -234,6 +257,7 @@ def paged_attention_triton(
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_n = max(page_size, 64 if max_query_len > 1 else 32)
     block_d = triton.next_power_of_2(head_dim)
+    out = torch.empty_like(query)
     # Triton's float32 dots default to TF32; a float32 model gets float32 attention unless torch's matmuls
     # are allowed TF32 too.
     exact = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
@@ -245,8 +269,8 @@ def paged_attention_triton(
         splits = num_splits or decode_splits(
             batch, num_kv_heads, block_tables.shape[1], page_size, block_n, _sm_count(query.device))
         if splits > 1:
-            acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
-            row_max = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=query.device)
+            acc = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+            row_max = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=query.device)
             row_sum = torch.empty_like(row_max)
             _decode_split_kernel[(batch, num_kv_heads, splits)](
                 query, k_cache, v_cache, acc, row_max, row_sum, block_tables, seq_lens, cu_seqlens_q,
@@ -255,9 +279,11 @@ def paged_attention_triton(
                 GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size, HEAD_DIM=head_dim,
                 BLOCK_D=block_d, PRECISION=precision, **launch,
             )
-            partials = SplitPartials(acc, row_max, row_sum, query.dtype)
-            return partials if not merged else partials.merge().view(num_tokens, num_heads, head_dim)
-    out = torch.empty_like(query)
+            _decode_combine_kernel[(batch, num_heads)](
+                acc, row_max, row_sum, out, cu_seqlens_q, splits, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), **launch,
+            )
+            return out
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q,

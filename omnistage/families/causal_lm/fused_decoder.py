@@ -1,13 +1,13 @@
 """A fused forward for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3), on the HF modules' own weights.
 
-The profile of a batch-1 decode step on an H200 showed a fifth of the GPU time in tiny elementwise kernels
-between the GEMMs. This forward keeps the weights where transformers put them but runs each layer as:
-add+RMSNorm, one QKV GEMM that also applies the rotary and writes K/V to the cache, paged attention, O GEMM
-(which may merge split decode attention's partials as it loads them), add+RMSNorm, one gate-up GEMM with
-SiLU-mul, down GEMM. Decode batches of ≤ 16 rows on CUDA take `skinny_gemm`'s kernels instead of cuBLAS; O
-and down leave split-K partial sums that the following add+RMSNorm reduces. Q/K/V (and gate/up) weights are
-concatenated once at load and the original parameters become views of the fused ones, so no memory is added
-and the HF modules still work (the unfused path is used when intermediate hidden states are requested).
+The profile of a batch-1 decode step on an H200 showed a fifth of the GPU time in tiny elementwise
+kernels between the GEMMs. This forward keeps the weights where transformers put them but runs
+each layer as: add+RMSNorm, one QKV GEMM that also applies the rotary and writes K/V to the cache,
+paged attention, O GEMM, add+RMSNorm, one gate-up GEMM with SiLU-mul, down GEMM. Decode batches of
+≤ 16 rows on CUDA take `skinny_gemm`'s kernels instead of cuBLAS; O and down leave split-K partial
+sums that the following add+RMSNorm reduces. Q/K/V (and gate/up) weights are concatenated once at
+load and the original parameters become views of the fused ones, so no memory is added and the HF
+modules still work (the unfused path is used when intermediate hidden states are requested).
 """
 
 from __future__ import annotations
@@ -101,13 +101,10 @@ class FusedDecoder:
                 # q rotated in place on CUDA; rotated k and v go straight to the cache
                 q = rotary_kv_write(q, k, v.reshape(num_tokens, -1, d), cos, sin, k_cache, v_cache,
                                     attn.slot_mapping)
-            # a split decode's attention partials may stay unmerged: the O GEMM merges them as it loads them
             o = paged_attention(p["layer_idx"], q, None, None, attn, p["scaling"], p["sliding_window"],
-                                kv_written=True, merged=False)
-            if isinstance(o, torch.Tensor):
-                o = o.reshape(num_tokens, -1)
+                                kv_written=True)
             # o and down may come back as split-K partial sums: the next add+RMSNorm sums them
-            hidden = skinny_gemm.linear(o, p["o_w"], p["o_b"], partial=True)
+            hidden = skinny_gemm.linear(o.reshape(num_tokens, -1), p["o_w"], p["o_b"], partial=True)
             x, residual = self._norm(hidden, residual, p["post_norm"])
             hidden = skinny_gemm.linear(skinny_gemm.gate_up_silu(x, p["gate_up_w"]), p["down_w"], partial=True)
         return self._norm(hidden, residual, self.decoder.norm)[0]
