@@ -140,10 +140,12 @@ def test_split_decode_matches_reference(
     torch.testing.assert_close(got, single, rtol=tol, atol=tol)
 
 
-def test_decode_splits_rule() -> None:
+def test_decode_splits_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The largest power of two keeping ~4 programs per SM, capped at 32 and by the table's BLOCK_N chunks;
     none once the grid fills the GPU. Only shapes go in: a graph replays the same launch for any lengths."""
     h200 = [decode_splits(batch, 4, 2048, 16, 32, 132) for batch in (1, 8, 16, 32, 64, 128, 256)]
     assert h200 == [32, 16, 8, 4, 2, 1, 1]
     assert decode_splits(1, 4, 5, 16, 32, 132) == 3  # 80 keys at most: three chunks of 32
     assert decode_splits(1, 4, 2048, 16, 32, 1) == 1  # no SM count (CPU): single pass
+    monkeypatch.setattr(triton_attention, "MAX_SPLITS", 8)  # OMNISTAGE_DECODE_SPLITS=8
+    assert [decode_splits(batch, 4, 2048, 16, 32, 132) for batch in (1, 8, 16, 32)] == [8, 8, 8, 4]
