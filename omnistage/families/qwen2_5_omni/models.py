@@ -264,7 +264,7 @@ class Token2Wav:
                  overlap_vocoder_max_batch: int = 2, vocoder_dtype: str = "float32"):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
-        self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder stays in float32 whatever this is
+        self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder runs in vocoder_dtype whatever this is
         # The DiT attends within blocks of `block` codes, one block further back per look-backward layer
         # and one further ahead per look-ahead layer: the default context is those blocks.
         dit = self.dit.config
