@@ -62,8 +62,7 @@ def chain_us(programs: int, use_pdl: bool, links: int = 200) -> float:
     def link(i: int):
         return lambda: _link_kernel[(programs,)](bufs[i % 2], bufs[(i + 1) % 2], programs, PDL=use_pdl, **options)
 
-    us = time_graph([link(i) for i in range(links)])
-    return us
+    return time_graph([link(i) for i in range(links)])
 
 
 def persistent_us(programs: int, ordered: bool = True, barrier: bool = True, steps: int = 2000) -> float:
