@@ -7,8 +7,12 @@ need. This probe times each of a layer's matmuls (qkv, o, ff up with its tanh GE
 row counts of the windows a stream decodes, as a CUDA graph over 22 layers' distinct weights (a pass reads
 every layer's weights once, so none stays in L2), and reports cuBLAS and the best Triton tiles. On an H200
 (run 27a) cuBLAS won at every shape (the o matmul at 240 rows: 5.4 against 6.0 µs), so the solver keeps it.
+`--tunableop N` times cuBLAS as the solver calls it against PyTorch's TunableOp choosing among N cuBLASLt
+heuristic candidates, with and without an SM carveout; the GPU machine's torch 2.11 has no such candidates on
+CUDA, so there TunableOp kept cuBLAS's default at every shape (run 29a).
 
     python benchmarks/dit_gemm.py --out dit_gemm.jsonl      # GPU
+    python benchmarks/dit_gemm.py --tunableop 32 --rows "48,96,192" --out dit_tunable.jsonl
 """
 
 from __future__ import annotations
@@ -128,7 +132,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated keys of ROWS")
+    ap.add_argument("--tunableop", type=int, default=0, metavar="N",
+                    help="cuBLAS only: also time each matmul as PyTorch's TunableOp picks it among N cuBLASLt "
+                         "heuristic candidates, with and without an SM carveout")
     args = ap.parse_args()
+    if args.tunableop:
+        return tunableop(args)
     record = recorder(args.out)
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -155,6 +164,50 @@ def main() -> None:
             results.sort(key=lambda r: r[0])
             record(part="dit_gemm", matmul=name, window=label, m=m, n=n, k=k, cublas_us=round(base, 2),
                    best=[{"tiles": str(t), "us": round(us, 2), "rel_err": f"{err:.1e}"} for us, t, err in results[:4]])
+
+
+def with_carveout(sms: int, fn):
+    def run(*a):
+        torch._C._set_sm_carveout_experimental(sms)
+        try:
+            return fn(*a)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+    return run
+
+
+def tunableop(args: argparse.Namespace) -> None:
+    """cuBLAS as the solver calls it against the algorithm TunableOp picks (tuned eagerly, before capture)."""
+    from torch.cuda import tunable
+    record = recorder(args.out)
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    has_lt = hasattr(tunable, "set_cublaslt_requested_algo_count")
+    print(f"# torch {torch.__version__}, cuBLASLt candidates in TunableOp: {has_lt}", flush=True)
+    for name, (n, k, gelu) in MATMULS.items():
+        weights = [(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5,
+                    torch.randn(n, device=dev, dtype=torch.bfloat16) * 0.1) for _ in range(LAYERS)]
+        for label in args.rows.split(","):
+            m = ROWS[label]
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            fn = lambda x, w, b, gelu=gelu: cublas(x, w, b, gelu)  # noqa: E731
+            ref = fn(x, *weights[0]).float()
+            row = {"default_us": graph_us(fn, weights, x),
+                   "default_carveout32_us": graph_us(with_carveout(32, fn), weights, x)}
+            tunable.enable(True)
+            tunable.tuning_enable(True)
+            if has_lt:
+                tunable.set_cublaslt_requested_algo_count(args.tunableop)
+            try:
+                out = fn(x, *weights[0]).float()  # tunes this shape
+                row["tuned_us"] = graph_us(fn, weights, x)
+                row["tuned_carveout32_us"] = graph_us(with_carveout(32, fn), weights, x)
+                row["tuned_rel_err"] = f"{((out - ref).abs().max() / ref.abs().max()).item():.1e}"
+            finally:
+                tunable.enable(False)
+            record(part="dit_gemm_tunableop", matmul=name, window=label, m=m, n=n, k=k,
+                   **{key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()})
+    record(part="dit_gemm_tunableop", tuned=[list(map(str, r)) for r in tunable.get_results()])  # (op, shape, pick, ms)
 
 
 if __name__ == "__main__":
