@@ -33,19 +33,48 @@ SETTINGS = {
 }
 
 
-def hf_greedy(path: str, prompts: list[list[int]], max_new: int, stop_at_eos: bool) -> list[list[int]]:
+class Greedy(list):
+    """HF's greedy tokens per prompt (a list of lists), with each step's logits kept for failure messages."""
+
+    logits: list[torch.Tensor]  # per prompt, [steps, vocab]
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new: int, stop_at_eos: bool) -> Greedy:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
-    outs = []
+    outs = Greedy()
+    outs.logits = []
     for ids in prompts:
-        gen = model.generate(
+        out = model.generate(
             torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-            eos_token_id=eos if stop_at_eos else None, pad_token_id=0,
-        )[0, len(ids):].tolist()
+            eos_token_id=eos if stop_at_eos else None, pad_token_id=0, output_logits=True,
+            return_dict_in_generate=True,
+        )
+        gen = out.sequences[0, len(ids):].tolist()
         if stop_at_eos and eos in gen:
             gen = gen[: gen.index(eos) + 1]
         outs.append(gen)
+        outs.logits.append(torch.cat(out.logits)[: len(gen)])
     return outs
+
+
+def assert_same_tokens(got: list[list[int]], expected: Greedy) -> None:
+    """Token for token; on a mismatch the message names each prompt's first differing step and how far apart
+    HF's logits put the two tokens there (a near-tie is a numerics question, a wide gap a bug)."""
+    if got == expected:
+        return
+    lines = []
+    for n, (ours, theirs, logits) in enumerate(zip(got, expected, expected.logits, strict=True)):
+        step = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+        if step is None:
+            if len(ours) != len(theirs):
+                lines.append(f"prompt {n}: {len(ours)} tokens against HF's {len(theirs)}")
+            continue
+        row = logits[step]
+        lines.append(f"prompt {n}, step {step}: token {ours[step]} against HF's {theirs[step]}, HF's logits "
+                     f"{row[ours[step]].item():.5f} and {row[theirs[step]].item():.5f} (margin "
+                     f"{(row[theirs[step]] - row[ours[step]]).item():.2e})")
+    raise AssertionError("greedy tokens differ from HF's:\n" + "\n".join(lines))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +103,7 @@ def test_greedy_matches_hf(tiny_lm: str, hf_reference, setting: str) -> None:
         outs = omni.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
         stats = omni.stats()["lm"]
     assert [o.error for o in outs] == [None] * len(outs)
-    assert [o.token_ids for o in outs] == expected
+    assert_same_tokens([o.token_ids for o in outs], expected)
     assert all(o.finish_reason == "length" for o in outs)
     if "preemption" in setting:
         assert stats["num_preemptions"] > 0, "the setting was meant to force preemption"
@@ -88,7 +117,7 @@ def test_stops_at_eos_like_hf(tiny_qwen2: str, hf_reference, burst: int) -> None
     prompts, expected = hf_reference(tiny_qwen2, stop_at_eos=True)
     with Omni(tiny_qwen2, deploy(decode_burst=burst)) as omni:
         outs = omni.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0))
-    assert [o.token_ids for o in outs] == expected
+    assert_same_tokens([o.token_ids for o in outs], expected)
 
 
 def test_prefix_cache_hits_keep_outputs(tiny_qwen2: str) -> None:
@@ -109,7 +138,7 @@ def test_chat_messages_use_the_chat_template(tiny_qwen2: str) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_qwen2)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    expected = hf_greedy(tiny_qwen2, [list(ids)], 12, stop_at_eos=False)[0]
+    expected = hf_greedy(tiny_qwen2, [list(ids)], 12, stop_at_eos=False)[0]  # (a plain list)
     with Omni(tiny_qwen2, deploy()) as omni:
         (out,) = omni.generate([messages], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert out.token_ids == expected
@@ -153,7 +182,7 @@ def test_greedy_matches_hf_through_the_triton_kernels(tiny_lm: str, hf_reference
     prompts, expected = hf_reference(tiny_lm)
     with Omni(tiny_lm, deploy(max_num_seqs=4) | {"worker_backend": "inline"}) as omni:  # the patches reach it
         outs = omni.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == expected
+    assert_same_tokens([o.token_ids for o in outs], expected)
     assert any(partial_results) and not all(partial_results), "both split-K partials and finished rows should run"
     assert any(head_results), "the LM head should run through the kernel"
     # except Qwen3's, whose per-head norms come between the projection and the rotary
