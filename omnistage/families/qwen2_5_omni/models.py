@@ -581,7 +581,8 @@ def matmul_sm_carveout(sms: int):
 
 def load_token2wav(path: Path, config: Any, device: torch.device, dit_dtype: torch.dtype = torch.float32
                    ) -> nn.Module:
-    """token2wav in float32, its DiT optionally in a lower precision (the vocoder stays float32)."""
+    """token2wav in float32, its DiT optionally in a lower precision (the vocoder loads in float32; Token2Wav's
+    `vocoder_dtype` may cast its convolutions)."""
     from transformers import Qwen2_5OmniToken2WavModel
 
     with torch.device(device), no_init_weights():
