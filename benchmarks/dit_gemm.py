@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from recording import recorder
 
+from omnistage.families.qwen2_5_omni.models import matmul_sm_carveout
+
 LAYERS = 22
 # rows = 2 (guided, unguided) x windows x frames; frames = 2 x (window codes + 12 of look-ahead)
 ROWS = {"24 codes": 144, "48": 240, "96": 432, "192": 816, "48 x 8": 1920, "48 x 32": 7680}
@@ -139,40 +141,43 @@ def main() -> None:
     if args.tunableop:
         return tunableop(args)
     record = recorder(args.out)
+    tiles = candidate_tiles()
+    for name, n, k, gelu, label, m, weights, x in workload(args.rows):
+        ref = cublas(x, *weights[0], gelu).float()
+        base = graph_us(lambda x, w, b, gelu=gelu: cublas(x, w, b, gelu), weights, x)
+        results = []
+        for t in tiles:
+            try:
+                out = triton_linear(x, *weights[0], gelu=gelu, tiles=t).float()
+                err = ((out - ref).abs().max() / ref.abs().max()).item()
+                us = graph_us(lambda x, w, b, t=t, gelu=gelu: triton_linear(x, w, b, gelu=gelu, tiles=t),
+                              weights, x)
+            except Exception as e:  # a tile shape the compiler refuses (shared memory, registers)
+                print(f"# {name} {m} {t}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            results.append((us, t, err))
+        results.sort(key=lambda r: r[0])
+        record(part="dit_gemm", matmul=name, window=label, m=m, n=n, k=k, cublas_us=round(base, 2),
+               best=[{"tiles": str(t), "us": round(us, 2), "rel_err": f"{err:.1e}"} for us, t, err in results[:4]])
+
+
+def workload(rows: str):
+    """(name, n, k, gelu, window label, m, 22 layers' weights, x) for each matmul and each window in `rows`."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    tiles = candidate_tiles()
     for name, (n, k, gelu) in MATMULS.items():
         weights = [(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5,
                     torch.randn(n, device=dev, dtype=torch.bfloat16) * 0.1) for _ in range(LAYERS)]
-        for label in args.rows.split(","):
+        for label in rows.split(","):
             m = ROWS[label]
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = cublas(x, *weights[0], gelu).float()
-            base = graph_us(lambda x, w, b, gelu=gelu: cublas(x, w, b, gelu), weights, x)
-            results = []
-            for t in tiles:
-                try:
-                    out = triton_linear(x, *weights[0], gelu=gelu, tiles=t).float()
-                    err = ((out - ref).abs().max() / ref.abs().max()).item()
-                    us = graph_us(lambda x, w, b, t=t, gelu=gelu: triton_linear(x, w, b, gelu=gelu, tiles=t),
-                                  weights, x)
-                except Exception as e:  # a tile shape the compiler refuses (shared memory, registers)
-                    print(f"# {name} {m} {t}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    continue
-                results.append((us, t, err))
-            results.sort(key=lambda r: r[0])
-            record(part="dit_gemm", matmul=name, window=label, m=m, n=n, k=k, cublas_us=round(base, 2),
-                   best=[{"tiles": str(t), "us": round(us, 2), "rel_err": f"{err:.1e}"} for us, t, err in results[:4]])
+            yield name, n, k, gelu, label, m, weights, torch.randn(m, k, device=dev, dtype=torch.bfloat16)
 
 
 def with_carveout(sms: int, fn):
+    """`fn` with its cuBLAS calls (and their capture) leaving `sms` SMs free, as the solver's small batches do."""
     def run(*a):
-        torch._C._set_sm_carveout_experimental(sms)
-        try:
+        with matmul_sm_carveout(sms):
             return fn(*a)
-        finally:
-            torch._C._set_sm_carveout_experimental(None)
     return run
 
 
@@ -180,33 +185,26 @@ def tunableop(args: argparse.Namespace) -> None:
     """cuBLAS as the solver calls it against the algorithm TunableOp picks (tuned eagerly, before capture)."""
     from torch.cuda import tunable
     record = recorder(args.out)
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
     has_lt = hasattr(tunable, "set_cublaslt_requested_algo_count")
     print(f"# torch {torch.__version__}, cuBLASLt candidates in TunableOp: {has_lt}", flush=True)
-    for name, (n, k, gelu) in MATMULS.items():
-        weights = [(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5,
-                    torch.randn(n, device=dev, dtype=torch.bfloat16) * 0.1) for _ in range(LAYERS)]
-        for label in args.rows.split(","):
-            m = ROWS[label]
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            fn = lambda x, w, b, gelu=gelu: cublas(x, w, b, gelu)  # noqa: E731
-            ref = fn(x, *weights[0]).float()
-            row = {"default_us": graph_us(fn, weights, x),
-                   "default_carveout32_us": graph_us(with_carveout(32, fn), weights, x)}
-            tunable.enable(True)
-            tunable.tuning_enable(True)
-            if has_lt:
-                tunable.set_cublaslt_requested_algo_count(args.tunableop)
-            try:
-                out = fn(x, *weights[0]).float()  # tunes this shape
-                row["tuned_us"] = graph_us(fn, weights, x)
-                row["tuned_carveout32_us"] = graph_us(with_carveout(32, fn), weights, x)
-                row["tuned_rel_err"] = f"{((out - ref).abs().max() / ref.abs().max()).item():.1e}"
-            finally:
-                tunable.enable(False)
-            record(part="dit_gemm_tunableop", matmul=name, window=label, m=m, n=n, k=k,
-                   **{key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()})
+    for name, n, k, gelu, label, m, weights, x in workload(args.rows):
+        fn = lambda x, w, b, gelu=gelu: cublas(x, w, b, gelu)  # noqa: E731
+        ref = fn(x, *weights[0]).float()
+        row = {"default_us": graph_us(fn, weights, x),
+               "default_carveout32_us": graph_us(with_carveout(32, fn), weights, x)}
+        tunable.enable(True)
+        tunable.tuning_enable(True)
+        if has_lt:
+            tunable.set_cublaslt_requested_algo_count(args.tunableop)
+        try:
+            out = fn(x, *weights[0]).float()  # tunes this shape
+            row["tuned_us"] = graph_us(fn, weights, x)
+            row["tuned_carveout32_us"] = graph_us(with_carveout(32, fn), weights, x)
+            row["tuned_rel_err"] = f"{((out - ref).abs().max() / ref.abs().max()).item():.1e}"
+        finally:
+            tunable.enable(False)
+        record(part="dit_gemm_tunableop", matmul=name, window=label, m=m, n=n, k=k,
+               **{key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()})
     record(part="dit_gemm_tunableop", tuned=[list(map(str, r)) for r in tunable.get_results()])  # (op, shape, pick, ms)
 
 
