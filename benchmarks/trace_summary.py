@@ -3,6 +3,7 @@ GPU stream: busy time and the names that take it. Traces of whole serving waves 
 prints a page.
 
     python benchmarks/trace_summary.py DIR/wave-c1.json [--top 15]
+    python benchmarks/trace_summary.py DIR/wave-c1.json --gaps 20   # each stream's idle gaps over 20 µs, per 100 ms
 """
 
 from __future__ import annotations
@@ -60,9 +61,43 @@ def _top_level(events: list[dict]) -> float:
     return covered
 
 
+def stream_gaps(path: str, threshold_us: float, bucket_ms: float = 100.0) -> None:
+    """Per GPU stream, per `bucket_ms` of the trace: how busy the stream was and its idle gaps longer than
+    `threshold_us` (between one kernel's end, or the latest end before it, and the next kernel's start). A
+    stream that waits for the host shows gaps where its work is otherwise back to back."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e
+                  and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    origin = min(e["ts"] for e in events)
+    by_stream: dict[tuple, list] = defaultdict(list)
+    for e in events:
+        by_stream[(e.get("pid"), e.get("tid"))].append(e)
+    for key, evs in sorted(by_stream.items(), key=lambda kv: -len(kv[1])):
+        evs.sort(key=lambda e: e["ts"])
+        print(f"\nGPU stream {key}: {len(evs)} kernels; per {bucket_ms:.0f} ms: busy ms, gaps > {threshold_us:.0f} "
+              f"µs (count, ms)")
+        busy: dict[int, float] = defaultdict(float)
+        gaps: dict[int, list[float]] = defaultdict(list)
+        end = evs[0]["ts"]
+        for e in evs:
+            bucket = int((e["ts"] - origin) / (bucket_ms * 1e3))
+            if e["ts"] - end > threshold_us:
+                gaps[bucket].append(e["ts"] - end)
+            busy[bucket] += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))  # overlapping spans counted once
+            end = max(end, e["ts"] + e["dur"])
+        for bucket in sorted(busy):
+            g = gaps.get(bucket, [])
+            print(f"  {bucket * bucket_ms:7.0f} ms  busy {busy[bucket] / 1e3:6.1f}  gaps {len(g):4d} "
+                  f"{sum(g) / 1e3:6.2f} ms  (largest {max(g, default=0) / 1e3:.2f})")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--gaps", type=float, metavar="US", help="instead: each stream's idle gaps over US µs per 100 ms")
     args = ap.parse_args()
-    summarise(args.trace, args.top)
+    if args.gaps is not None:
+        stream_gaps(args.trace, args.gaps)
+    else:
+        summarise(args.trace, args.top)

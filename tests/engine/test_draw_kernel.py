@@ -171,3 +171,47 @@ def test_kernel_matches_torch_on_random_settings(kernel_everywhere, trial: int) 
         else:
             drawn[path] = sampler.draw(logits, cols, history, slots).tolist()
     assert drawn["kernel"] == drawn["torch"]
+
+
+if fused_draw.triton is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _kept_by_top_k_kernel(X, K, Kept, vocab, stride, BLOCK: tl.constexpr):
+        """What the draw keeps for top-k alone: each row's keys at or above `_top_k_cut` (padding as the draw
+        loads it, -inf)."""
+        row = tl.program_id(0)
+        ids = tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride + ids, mask=ids < vocab, other=float("-inf"))
+        key = fused_draw._ordered(x)
+        cut = fused_draw._top_k_cut(key, tl.load(K + row).to(tl.int32))
+        tl.store(Kept + row * stride + ids, (key >= cut).to(tl.int8), mask=ids < vocab)
+
+
+def test_top_k_cut_keeps_every_value_at_or_above_the_kth_largest() -> None:
+    """The five-way search's cut keeps exactly the values at or above the k-th largest: the top k, and every
+    value tied with the k-th (ties from bfloat16 rounding, a constant row, -inf bans, negative values, k of 1 and
+    of the vocabulary less one, a vocabulary that is not a power of two)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, one = 1000, 1065353216  # 1.0's bits
+    rows = [3 * torch.randn(vocab, generator=gen),
+            (3 * torch.randn(vocab, generator=gen)).bfloat16().float(),  # many ties
+            torch.full((vocab,), 0.25),
+            -torch.rand(vocab, generator=gen) - 1e-3,  # all negative
+            torch.where(torch.rand(vocab, generator=gen) < 0.97, float("-inf"), torch.randn(vocab, generator=gen)),
+            torch.randint(-3, 3, (vocab,), generator=gen).float(),  # six distinct values
+            torch.linspace(-1e-30, 1e-30, vocab),  # tiny and subnormal values
+            # neighbouring floats from 1.0 up (keys one apart), shuffled
+            (torch.arange(vocab, dtype=torch.int32) + one).view(torch.float32)[torch.randperm(vocab, generator=gen)],
+            # each of those twice: at an odd k the k-th largest ties and the next smaller value is one key below
+            (torch.arange(vocab, dtype=torch.int32) // 2 + one).view(torch.float32)]
+    cases = [(row, k) for k in (1, 2, 7, 40, 333, vocab - 1) for row in rows]
+    cases += [(rows[-1], k) for k in range(1, vocab, 14)]  # the pairs row at odd k: a tie at each
+    x = torch.stack([row for row, _ in cases]).to(DEVICE)
+    ks = torch.tensor([k for _, k in cases], dtype=torch.int32, device=DEVICE)
+    kept = torch.zeros_like(x, dtype=torch.int8)
+    _kept_by_top_k_kernel[(len(cases),)](x, ks, kept, vocab, x.stride(0), BLOCK=triton.next_power_of_2(vocab))
+    expected = x >= torch.stack([row.topk(k).values[-1] for row, k in cases]).to(DEVICE)[:, None]
+    wrong = (kept.bool() != expected).any(-1).nonzero()[:, 0].tolist()
+    assert not wrong, [ks[i].item() for i in wrong[:5]]
