@@ -190,7 +190,7 @@ if fused_draw.triton is not None:
 
 
 def test_top_k_cut_keeps_every_value_at_or_above_the_kth_largest() -> None:
-    """The five-way search's cut keeps exactly the values at or above the k-th largest: the top k, and every
+    """The top-k cut keeps exactly the values at or above the k-th largest: the top k, and every
     value tied with the k-th (ties from bfloat16 rounding, a constant row, -inf bans, negative values, k of 1 and
     of the vocabulary less one, a vocabulary that is not a power of two)."""
     gen = torch.Generator().manual_seed(0)
