@@ -60,6 +60,7 @@ def serve(spec: control.WorkerSpec) -> int:
             # this thread builds the engine (graphs captured at start-up) and runs its loop: all of it on budget
             budget.enter_context(sm_budget(pipeline.stage_config(spec.stage).max_sms))
             engine = pipeline.build_engine(spec.stage, spec.devices)
+            del pipeline  # as before: nothing but the engine kept from the build
             links = [open_link(spec.inbox), open_link(spec.outbox)]
         except Exception as exc:
             emit(control.Failed(f"{type(exc).__name__}: {exc}"))
