@@ -51,12 +51,7 @@ def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: Sa
 
 def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool = False,
         kernel_profile: bool = False, eager: bool = False, burst: int = 1, max_sms: int | None = None) -> None:
-    with sm_budget(max_sms):  # as the stage's thread would run it with `max_sms` set
-        _run(path, batch, codes, overlap_sampled, record, host_profile, kernel_profile, eager, burst, max_sms)
-
-
-def _run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool,
-         kernel_profile: bool, eager: bool, burst: int, max_sms: int | None) -> None:
+    """Call it inside `sm_budget(max_sms)`, as the stage's thread runs with `max_sms` set."""
     family, info = detect_family(path)
     deploy = load_deploy_config({"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
                                                        "overlap_sampled": overlap_sampled, "decode_burst": burst,
@@ -133,8 +128,9 @@ def main() -> None:
     for batch, burst, sms in itertools.product(map(int, args.batches.split(",")), map(int, args.bursts.split(",")),
                                                map(int, args.max_sms.split(","))):
         for overlap_sampled in (True,) if burst > 1 or args.kernel_profile else (False, True):
-            run(path, batch, args.codes, overlap_sampled, record, args.host_profile, args.kernel_profile,
-                args.eager, burst, sms or None)
+            with sm_budget(sms or None):
+                run(path, batch, args.codes, overlap_sampled, record, args.host_profile, args.kernel_profile,
+                    args.eager, burst, sms or None)
 
 
 if __name__ == "__main__":
