@@ -97,15 +97,14 @@ def main() -> None:
     ap.add_argument("--preload-max-k", type=int, default=2048, help="sweep preloaded tilings for K up to this")
     ap.add_argument("--block-n", type=ints, default=[16, 32, 64], help="block_n values the sweep tries")
     ap.add_argument("--pdl", default="on", help="programmatic dependent launch: on, off or on,off (each timed)")
-    ap.add_argument("--max-sms", type=int, help="tilings chosen for at most this many SMs (a stage's max_sms)")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    sms = min(torch.cuda.get_device_properties(dev).multi_processor_count, args.max_sms or 1 << 30)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     out = open(args.out, "a") if args.out else None
 
     def emit(row: dict) -> None:
-        row |= {"device": torch.cuda.get_device_name(dev), "sms": sms}
+        row |= {"device": torch.cuda.get_device_name(dev)}
         print(json.dumps(row), flush=True)
         if out:
             out.write(json.dumps(row) + "\n")

@@ -11,8 +11,7 @@ priority, token2wav's at normal):
 - `thinker_idle`: the thinker engine loaded (weights and KV cache resident) but idle, then with `token2wav_paced`.
 
 Each row also reports token2wav's windows (count, median ms) during the talker's run. Options as in
-`omni_qwen2_5.py --set` apply to every stage (`--set stages.token2wav.options.cublas_sm_carveout=32`;
-`--set stages.talker.max_sms=66` sizes the talker's decode kernels for 66 SMs).
+`omni_qwen2_5.py --set` apply to every stage (`--set stages.token2wav.options.cublas_sm_carveout=32`).
 
     python benchmarks/talker_interference.py --checkpoint /tmp/omni --out interference.jsonl   # GPU
     python benchmarks/talker_interference.py --tiny --codes 40                                   # CPU smoke run
@@ -34,7 +33,6 @@ from recording import recorder
 from talker_steps import talker_input
 
 from omnistage.config.deploy import load_deploy_config
-from omnistage.devices import sm_budget
 from omnistage.engine.types import StageInput
 from omnistage.families.registry import detect_family
 from omnistage.sampling_params import SamplingParams
@@ -135,22 +133,18 @@ def main() -> None:
     apply_settings(deploy, settings)
     family, info = detect_family(path)
     pipeline = family.pipeline(info, load_deploy_config(deploy))
-    talker_sms = pipeline.stage_config("talker").max_sms  # its kernels' SMs in the thread that runs it: this one
-    with sm_budget(talker_sms):
-        talker = pipeline.build_engine("talker")
-    token2wav = pipeline.build_engine("token2wav")
+    talker, token2wav = pipeline.build_engine("talker"), pipeline.build_engine("token2wav")
     params = SamplingParams(max_tokens=args.codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
                             ignore_eos=True, bad_token_ids=list(pipeline.undecodable_codes))
     talker_stream = stream(talker.device, high=True)
     limit = pipeline.config.token2wav_config.dit_config.num_embeds
     window = min(args.window, token2wav.model.max_window) if token2wav.model.max_window else args.window
-    with sm_budget(talker_sms):
-        talker_ms_per_code(talker, pipeline, params, "warm-up", talker_stream)
+    talker_ms_per_code(talker, pipeline, params, "warm-up", talker_stream)
 
     def measure(mode: str, pace: float | None) -> None:
         part = mode.split("_")[0] if mode.startswith(("solve", "vocoder")) else "window"
         load = WindowLoad(token2wav, window, pace, limit, part) if pace is not None else contextlib.nullcontext()
-        with load, sm_budget(talker_sms):
+        with load:
             ms = talker_ms_per_code(talker, pipeline, params, mode, talker_stream)
         windows = load.window_ms if pace is not None else []
         record(part="talker_interference", mode=mode, settings=settings, codes=args.codes, window=window,

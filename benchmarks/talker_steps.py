@@ -9,7 +9,6 @@ sampling (temperature 0.9, top-k 40, top-p 0.8, repetition penalty 1.05) kept on
     python benchmarks/talker_steps.py --checkpoint /tmp/omni --batches 1 --host-profile          # host time by function
     python benchmarks/talker_steps.py --checkpoint /tmp/omni --kernel-profile   # device time by kernel
     python benchmarks/talker_steps.py --checkpoint /tmp/omni --bursts 1,4,8,16  # decode bursts of those lengths
-    python benchmarks/talker_steps.py --checkpoint /tmp/omni --bursts 8 --max-sms 0,100,66  # kernels for fewer SMs
     python benchmarks/talker_steps.py --tiny --codes 40                                          # CPU smoke run
 """
 
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import itertools
 import pstats
 import time
 from pathlib import Path
@@ -27,7 +25,6 @@ from omni_qwen2_5 import checkpoint_path
 from recording import recorder
 
 from omnistage.config.deploy import load_deploy_config
-from omnistage.devices import sm_budget
 from omnistage.engine.types import StageInput
 from omnistage.families.registry import detect_family
 from omnistage.sampling_params import SamplingParams
@@ -50,12 +47,11 @@ def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: Sa
 
 
 def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool = False,
-        kernel_profile: bool = False, eager: bool = False, burst: int = 1, max_sms: int | None = None) -> None:
-    """Call it inside `sm_budget(max_sms)`, as the stage's thread runs with `max_sms` set."""
+        kernel_profile: bool = False, eager: bool = False, burst: int = 1) -> None:
     family, info = detect_family(path)
     deploy = load_deploy_config({"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
                                                        "overlap_sampled": overlap_sampled, "decode_burst": burst,
-                                                       "enforce_eager": eager, "max_sms": max_sms}}})
+                                                       "enforce_eager": eager}}})
     pipeline = family.pipeline(info, deploy)
     engine = pipeline.build_engine("talker")
     params = SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -85,7 +81,7 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
                 print(f"== host profile, batch {batch}, overlap_sampled={overlap_sampled}", flush=True)
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         record(part="talker_steps", batch=batch, codes=codes, overlap_sampled=overlap_sampled, decode_burst=burst,
-               eager=eager, max_sms=max_sms, steps=steps, ms_per_step=round(1000 * seconds / max(steps, 1), 3),
+               eager=eager, steps=steps, ms_per_step=round(1000 * seconds / max(steps, 1), 3),
                ms_per_code=round(1000 * seconds * batch / max(drawn, 1), 3),
                overlapped_steps=engine.num_overlapped_steps, burst_steps=engine.num_burst_steps)
     finally:
@@ -119,18 +115,16 @@ def main() -> None:
     ap.add_argument("--kernel-profile", action="store_true", help="a table of device time by kernel over 20 steps")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (each kernel keeps its op's name)")
     ap.add_argument("--bursts", default="1", help="decode_burst values to run (steps with overlap_sampled)")
-    ap.add_argument("--max-sms", default="0", help="comma list of the talker's max_sms to run (0: all SMs)")
     args = ap.parse_args()
 
     record = recorder(args.out)
 
     path = checkpoint_path(args.tiny, args.checkpoint)
-    for batch, burst, sms in itertools.product(map(int, args.batches.split(",")), map(int, args.bursts.split(",")),
-                                               map(int, args.max_sms.split(","))):
-        for overlap_sampled in (True,) if burst > 1 or args.kernel_profile else (False, True):
-            with sm_budget(sms or None):
+    for batch in (int(b) for b in args.batches.split(",")):
+        for burst in (int(b) for b in args.bursts.split(",")):
+            for overlap_sampled in (True,) if burst > 1 or args.kernel_profile else (False, True):
                 run(path, batch, args.codes, overlap_sampled, record, args.host_profile, args.kernel_profile,
-                    args.eager, burst, sms or None)
+                    args.eager, burst)
 
 
 if __name__ == "__main__":

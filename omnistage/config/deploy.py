@@ -52,11 +52,6 @@ class StageConfig(_Strict):
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
         "favours when stages share it; None: high for autoregressive stages (short steps a request waits on), "
         "normal for the rest")
-    max_sms: int | None = Field(
-        None, ge=1, description="a GPU stage's decode kernels (skinny GEMMs, split decode attention) sized for at "
-        "most this many multiprocessors instead of all: beside a stage whose matmuls leave that many free (token2wav's "
-        "cublas_sm_carveout) they need not wait for SMs its programs hold (K is split differently: results differ from "
-        "the default's in the last bits, the same on every run); None: all")
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict, description="Stage-specific knobs its family documents")
 

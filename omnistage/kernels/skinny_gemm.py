@@ -33,7 +33,6 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from omnistage.devices import budgeted_sms
 from omnistage.kernels import pdl
 from omnistage.kernels.fused import rotary_kv_write, silu_mul
 
@@ -176,15 +175,10 @@ class Tiling:
 
 
 @cache
-def _device_sms(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # Triton's interpreter (tests on CPU): a small GPU, so tiny shapes still split K
-
-
-def _sm_count(device: torch.device) -> int:
-    """The multiprocessors a tiling fills: the device's, or the launching stage's `sm_budget`."""
-    return budgeted_sms(_device_sms(device))
 
 
 def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: int = 2,

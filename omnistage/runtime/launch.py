@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.config.deploy import ConnectorConfig, DeployConfig, did_you_mean, load_deploy_config
-from omnistage.devices import on_device, resolve_device, sm_budget
+from omnistage.devices import on_device, resolve_device
 from omnistage.errors import ConfigError
 from omnistage.families.base import Pipeline
 from omnistage.families.registry import PLUGINS_ENV, detect_family
@@ -45,10 +45,10 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
         def make_worker(stage: str, replica: int, on_outputs: OutputCallback, on_exit: ExitCallback):
             # built with its device current: Triton kernels and graph captures at start-up run on the current
             # device, which for this loading thread is otherwise cuda:0 (a stage on cuda:1 would fail there)
-            cfg = pipeline.stage_config(stage)
-            with on_device(resolve_device(cfg.devices)), sm_budget(cfg.max_sms):  # graphs captured at start-up
+            with on_device(resolve_device(pipeline.stage_config(stage).devices)):
                 engine = pipeline.build_engine(stage)
-            return InlineStageWorker(stage, replica, engine, on_outputs, on_exit, cfg.stream_priority, cfg.max_sms)
+            return InlineStageWorker(stage, replica, engine, on_outputs, on_exit,
+                                     pipeline.stage_config(stage).stream_priority)
 
         return Orchestrator(pipeline, make_worker)
 

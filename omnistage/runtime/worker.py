@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from omnistage.devices import on_device, sm_budget
+from omnistage.devices import on_device
 from omnistage.engine.base import Engine
 from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import OmniError
@@ -210,9 +210,8 @@ class InlineStageWorker:
     this stream uses them, so their memory is not reused before it has read them."""
 
     def __init__(self, stage: str, replica: int, engine: Engine, on_outputs: OutputCallback,
-                 on_exit: ExitCallback | None = None, stream_priority: str | None = None, max_sms: int | None = None):
+                 on_exit: ExitCallback | None = None, stream_priority: str | None = None):
         self.stage, self.replica = stage, replica
-        self.max_sms = max_sms  # the stage's kernels in this worker's thread: devices.sm_budget
         self.inflight = InFlight(stage, replica, on_outputs)
         self.on_exit = on_exit
         self._stats: dict[str, Any] = {}
@@ -296,8 +295,7 @@ class InlineStageWorker:
     def _run(self) -> None:
         try:
             device = self.stream.device if self.stream is not None else None
-            with (on_device(device), sm_budget(self.max_sms),
-                  torch.cuda.stream(self.stream) if device is not None else contextlib.nullcontext()):
+            with on_device(device), torch.cuda.stream(self.stream) if device is not None else contextlib.nullcontext():
                 self.loop.run()
         except Exception as exc:
             logger.exception("stage %r replica %d crashed", self.stage, self.replica)

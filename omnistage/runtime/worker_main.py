@@ -9,7 +9,6 @@ loop iteration sends its outputs and stats back.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import shutil
@@ -49,18 +48,12 @@ def serve(spec: control.WorkerSpec) -> int:
     links: list = []
     stopping = threading.Event()
     receiver: threading.Thread | None = None
-    budget = contextlib.ExitStack()
     try:
         try:
-            from omnistage.devices import sm_budget
             from omnistage.runtime.launch import build_pipeline
             from omnistage.runtime.worker import EngineLoop
 
-            pipeline = build_pipeline(spec.model, spec.deploy)
-            # this thread builds the engine (graphs captured at start-up) and runs its loop: all of it on budget
-            budget.enter_context(sm_budget(pipeline.stage_config(spec.stage).max_sms))
-            engine = pipeline.build_engine(spec.stage, spec.devices)
-            del pipeline  # as before: nothing but the engine kept from the build
+            engine = build_pipeline(spec.model, spec.deploy).build_engine(spec.stage, spec.devices)
             links = [open_link(spec.inbox), open_link(spec.outbox)]
         except Exception as exc:
             emit(control.Failed(f"{type(exc).__name__}: {exc}"))
@@ -108,7 +101,6 @@ def serve(spec: control.WorkerSpec) -> int:
             raise
         return 0
     finally:
-        budget.close()
         stopping.set()
         if receiver is not None:
             receiver.join(timeout=5)

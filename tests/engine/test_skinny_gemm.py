@@ -158,19 +158,3 @@ def test_qkv_with_rotary_and_cache_write(force_triton, rows: int, with_bias: boo
     _close(v_cache, want_v)
     with pytest.raises(ValueError, match="rows"):
         skinny.qkv_rotary_kv_write(x, w[:-1], None, d, q_heads, kv_heads, cos, sin, slots, k_cache, v_cache)
-
-
-def test_an_sm_budget_sizes_the_tiling_for_fewer_sms(force_triton) -> None:
-    """Inside `sm_budget` the one-wave tiling is chosen for the budget's SMs (here: K is not split in two when
-    two SMs are all there is), and the layer's result is the same."""
-    from omnistage.devices import sm_budget
-
-    x, w = torch.randn(1, 2048, device=DEVICE), torch.randn(64, 2048, device=DEVICE)
-    whole = skinny.linear(x, w, partial=True)
-    with sm_budget(2):
-        assert skinny._sm_count(x.device) == min(2, skinny._device_sms(x.device))
-        budgeted = skinny.linear(x, w, partial=True)
-    if DEVICE.type == "cpu":  # the interpreter's 4 SMs: K in two slices, and one slice on a budget of 2
-        assert whole.shape == (2, 1, 64) and budgeted.shape == (1, 64)
-    _close(fused.sum_partials(whole, x.dtype) if whole.dim() == 3 else whole, F.linear(x, w))
-    _close(fused.sum_partials(budgeted, x.dtype) if budgeted.dim() == 3 else budgeted, F.linear(x, w))

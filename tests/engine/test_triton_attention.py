@@ -149,16 +149,3 @@ def test_decode_splits_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert decode_splits(1, 4, 2048, 16, 32, 1) == 1  # no SM count (CPU): single pass
     monkeypatch.setattr(triton_attention, "MAX_SPLITS", 8)  # OMNISTAGE_DECODE_SPLITS=8
     assert [decode_splits(batch, 4, 2048, 16, 32, 132) for batch in (1, 8, 16, 32)] == [8, 8, 8, 4]
-
-
-def test_an_sm_budget_bounds_the_split_grid(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stage's `sm_budget` is the SM count its split decode grids are sized for."""
-    from omnistage.devices import sm_budget
-
-    monkeypatch.setattr(triton_attention, "_device_sms", lambda device: 132)  # an H200
-    dev = torch.device("cuda")
-    assert triton_attention._sm_count(dev) == 132
-    with sm_budget(16):
-        assert triton_attention._sm_count(dev) == 16
-        assert decode_splits(1, 4, 2048, 16, 32, triton_attention._sm_count(dev)) == 16  # 4 heads x 16: 4 a SM
-    assert decode_splits(1, 4, 2048, 16, 32, triton_attention._sm_count(dev)) == 32

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from omnistage.devices import budgeted_sms
 from omnistage.kernels import pdl
 
 
@@ -222,15 +221,10 @@ MAX_SPLITS = int(os.environ.get("OMNISTAGE_DECODE_SPLITS", "32"))
 
 
 @functools.cache
-def _device_sms(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached: queried once); 1 elsewhere, which disables
     split-K unless asked for explicitly."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def _sm_count(device: torch.device) -> int:
-    """The multiprocessors the split grid fills: the device's, or the launching stage's `sm_budget`."""
-    return budgeted_sms(_device_sms(device))
 
 
 def decode_splits(batch: int, kv_heads: int, max_blocks: int, page_size: int, block_n: int, sm_count: int) -> int:
