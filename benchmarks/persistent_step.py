@@ -8,13 +8,16 @@ only the arithmetic waits for them. This probe measures that design's ceiling wi
 24 layers of qkv (4.6 MB), o (2.75 MB), gate-up (67.9 MB) and down (33.9 MB), each read once a step, split
 evenly over one CTA per SM; six grid barriers a layer (after qkv, attention, its merge, o, gate-up and down: the
 talker's dependencies, attention and merge carrying no weights); after each barrier a CTA reads the phase's input
-vector (896 to 18944 values) from global memory, as a real kernel must. Each thread multiplies the 8 weights it
+vector (896 to 18944 values) from global memory, as a real kernel must. Each thread multiplies the weights it
 copied with the input values they meet and keeps a running sum; a phase ends with a block reduction and a store.
 The arithmetic is not the talker's (no per-row sums, norms, rotary or softmax), so the figure is a floor for
 this design, not a talker kernel.
 
-Rows: `depth` chunks of 16 B per thread in flight (cp.async into the ring: 2 = no run-ahead worth the name), with
-and without the barriers, and one flat stream of the same bytes (the bandwidth alone).
+Two designs. `ring`: every thread copies its 16 B of a chunk with cp.async, `depth` chunks ahead, and reads
+back only what it copied. `producer_warp`: one extra warp streams each CTA's weights phase after phase with bulk
+copies (cp.async.bulk, an mbarrier a ring slot), whatever the barriers, while the other warps wait at them and
+compute (16 B a consumer thread, or 32 B with `_32b`). Rows: ring depth, CTAs (132 = the whole H200; 100 and 66 as
+if the talker held part of the GPU), with the barriers, without them, and one flat stream of the same bytes.
 
     python benchmarks/persistent_step.py --out persistent.jsonl     # GPU with CuPy (its NVRTC compiles the kernel)
 """
