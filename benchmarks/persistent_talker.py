@@ -70,7 +70,9 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory"); }
 
 // every consumer of every CTA: release what this CTA wrote, acquire what the others did
-__device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* generation, unsigned ctas) {
+__device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* generation, unsigned ctas,
+                                             long long* clock_slot = nullptr) {
+    if (clock_slot != nullptr && threadIdx.x == 0 && blockIdx.x == 0) clock_slot[0] = clock64();  // work done
     consumers_sync();
     if (threadIdx.x == 0) {
         unsigned seen, old, now;
@@ -84,6 +86,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* generati
                 asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(generation) : "memory");
             } while (now == seen);
         }
+        if (clock_slot != nullptr && blockIdx.x == 0) clock_slot[1] = clock64();  // everyone arrived
     }
     consumers_sync();
 }
@@ -178,7 +181,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
               int layers, const bf16* __restrict__ final_norm, bf16* h, bf16* qkv, bf16* attn, bf16* act,
               float* att_part, bf16* out, const bf16* __restrict__ cos, const bf16* __restrict__ sin,
               const int* __restrict__ block_table, const int* __restrict__ seq_len, const int* __restrict__ new_slot,
-              unsigned* barrier) {
+              unsigned* barrier, long long* clocks) {
     extern __shared__ __align__(128) char smem[];
     bf16* xs = reinterpret_cast<bf16*>(smem);
     float* part = reinterpret_cast<float*>(smem + INTER * 2);
@@ -238,7 +241,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
             for (int rr = tid; rr < ph[3] - ph[2]; rr += CONSUMERS)
                 qkv[ph[2] + rr] = b(row_sum(part, rr, HIDDEN / SEG) + f(bias[ph[2] + rr]));
         }
-        grid_barrier(barrier, barrier + 32, ctas);
+        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 0));
         // attention: work items (kv head, split) over the CTAs
         for (int item = cta; item < KV_HEADS * SPLITS; item += ctas) {
             const int g = item / SPLITS, s = item % SPLITS;
@@ -334,7 +337,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
             }
             consumers_sync();  // the next item reuses the shared scratch
         }
-        grid_barrier(barrier, barrier + 32, ctas);
+        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 1));
         // merge the splits: 1536 outputs over the CTAs
         {
             const int per_cta = (ATTN + ctas - 1) / ctas;
@@ -352,7 +355,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
                 attn[idx] = b(a / l);
             }
         }
-        grid_barrier(barrier, barrier + 32, ctas);
+        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 2));
         // o, then the residual
         load_vector(attn, xs, ATTN);
         i = gemv(slot_meta, ph + 3 * stride, i, xs, part, ATTN / SEG, ring, full, empty);
@@ -360,7 +363,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
             const int row = ph[3 * stride + 2] + rr;
             h[row] = b(f(__ldcg(h + row)) + r(row_sum(part, rr, ATTN / SEG)));
         }
-        grid_barrier(barrier, barrier + 32, ctas);
+        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 3));
         // gate-up: RMSNorm, gate rows then up rows of this CTA's features, SiLU(gate) * up
         rms_norm(h, reinterpret_cast<const bf16*>(lt[1]), xs, eps, red);
         i = gemv(slot_meta, ph + 4 * stride, i, xs, part, HIDDEN / SEG, ring, full, empty);
@@ -371,7 +374,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
                 act[f0 + rr] = b(r(gate / (1.f + __expf(-gate))) * up);
             }
         }
-        grid_barrier(barrier, barrier + 32, ctas);
+        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 4));
         // down, then the residual
         load_vector(act, xs, INTER);
         i = gemv(slot_meta, ph + 5 * stride, i, xs, part, INTER / SEG, ring, full, empty);
@@ -379,7 +382,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
             const int row = ph[5 * stride + 2] + rr;
             h[row] = b(f(__ldcg(h + row)) + r(row_sum(part, rr, INTER / SEG)));
         }
-        grid_barrier(barrier, barrier + 32, ctas);
+        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 5));
     }
     if (cta == 0) rms_norm(h, final_norm, out, eps, red);
 }
@@ -468,7 +471,9 @@ class PersistentTalker:
                         "attn": torch.empty(ATTN, dtype=torch.bfloat16, device=dev),
                         "act": torch.empty(INTER, dtype=torch.bfloat16, device=dev),
                         "att_part": torch.empty(Q_HEADS * splits * (HEAD_DIM + 2), dtype=torch.float32, device=dev),
-                        "barrier": torch.zeros(64, dtype=torch.int32, device=dev)}
+                        "barrier": torch.zeros(64, dtype=torch.int32, device=dev),
+                        # CTA 0's clock when its work in each phase was done and when every CTA had arrived
+                        "clocks": torch.zeros(len(layers) * PHASES * 2, dtype=torch.int64, device=dev)}
 
     def __call__(self, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  block_table: torch.Tensor, seq_len: torch.Tensor, new_slot: torch.Tensor) -> None:
@@ -478,7 +483,7 @@ class PersistentTalker:
         self.kernel(grid=(self.ctas, 1, 1), block=(CONSUMERS + 32, 1, 1), shared_mem=self.smem,
                     args=[self.chunks, self.phases, self.layer_tab, len(self.layers), self.final_norm, h, s["qkv"],
                           s["attn"], s["act"], s["att_part"], out, cos, sin, block_table, seq_len, new_slot,
-                          s["barrier"]])
+                          s["barrier"], s["clocks"]])
 
 
 def reference(h: torch.Tensor, layers: list[dict], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -598,7 +603,14 @@ def main() -> None:
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) / 10)
-            record(part="persistent_talker", ctas=ctas, depth=depth, splits=args.splits, context=ctx,
+            clocks = step.scratch["clocks"].view(-1, PHASES, 2).double().cpu()  # the last step's
+            starts = torch.cat([clocks[:1, 0, 1] - 0, clocks.view(-1, 2)[:-1, 1]])  # previous phase's release
+            work = (clocks.view(-1, 2)[:, 0] - starts).view(-1, PHASES)[1:].mean(0)  # layer 0 has no start
+            wait = (clocks.view(-1, 2)[:, 1] - clocks.view(-1, 2)[:, 0]).view(-1, PHASES)[1:].mean(0)
+            names = ("qkv", "attention", "merge", "o", "gate_up", "down")
+            phase_us = {n: [round(w / 1980, 2), round(x / 1980, 2)] for n, w, x in zip(names, work, wait, strict=True)}
+            record(part="persistent_talker", ctas=ctas, depth=depth, cta0_us_work_then_wait=phase_us,
+                   splits=args.splits, context=ctx,
                    layers=args.layers, ms_a_step=round(statistics.median(times), 4),
                    ms_min=round(min(times), 4), rel_err_out=f"{err:.2e}",
                    rel_err_out_vs_float32=f"{err32:.2e}", hf_bfloat16_vs_float32=f"{bf16_err:.2e}",
