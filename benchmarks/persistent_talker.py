@@ -608,7 +608,8 @@ def main() -> None:
             work = (clocks.view(-1, 2)[:, 0] - starts).view(-1, PHASES)[1:].mean(0)  # layer 0 has no start
             wait = (clocks.view(-1, 2)[:, 1] - clocks.view(-1, 2)[:, 0]).view(-1, PHASES)[1:].mean(0)
             names = ("qkv", "attention", "merge", "o", "gate_up", "down")
-            phase_us = {n: [round(w / 1980, 2), round(x / 1980, 2)] for n, w, x in zip(names, work, wait, strict=True)}
+            phase_us = {n: [round(float(w) / 1980, 2), round(float(x) / 1980, 2)]
+                        for n, w, x in zip(names, work.tolist(), wait.tolist(), strict=True)}
             record(part="persistent_talker", ctas=ctas, depth=depth, cta0_us_work_then_wait=phase_us,
                    splits=args.splits, context=ctx,
                    layers=args.layers, ms_a_step=round(statistics.median(times), 4),
