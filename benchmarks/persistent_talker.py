@@ -35,7 +35,7 @@ QKV = ATTN + 2 * KV_HEADS * HEAD_DIM
 PHASES = 6  # qkv, attention, merge, o, gate-up, down
 SEG = 128  # elements a half-warp sums at once
 CONSUMERS = 256
-SLOT = 9472  # ring slot: 5 rows of 896, 3 of 1536, or a quarter row of 18944 (bytes, a multiple of 16)
+SLOT = 14336  # ring slot: 8 rows of 896 (a row a consumer warp), 4 of 1536, or a quarter row of 18944 (bytes)
 
 SOURCE = r"""
 #include <cuda_bf16.h>
@@ -118,53 +118,58 @@ __device__ void load_vector(const bf16* src, bf16* xs, int n) {
     consumers_sync();
 }
 
-// One GEMV phase's chunks: each half-warp sums 128 weights of a row against xs; part[local row][segment].
-// Returns the ring position after the phase.
-__device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* xs, float* part, int segs_row,
-                    const char* ring, u64* full, u64* empty) {
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+    const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&x);
+    #pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const float2 wf = __bfloat1622float2(w2[q]), xf = __bfloat1622float2(x2[q]);
+        acc = fmaf(wf.x, xf.x, acc);
+        acc = fmaf(wf.y, xf.y, acc);
+    }
+    return acc;
+}
+
+// One GEMV phase's chunks against xs; part[local row] gets each row's sum (in a fixed order). Short rows (a
+// chunk holds whole rows): a warp a row. Long rows (a chunk holds a piece of one): each thread keeps a running
+// sum over the row's pieces, summed across the block after its last one. Returns the ring position after.
+__device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* xs, float* part, int row_vecs,
+                    const char* ring, u64* full, u64* empty, float* red) {
     const int n = phase[1];
-    const int lane16 = threadIdx.x & 15, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint4* xv = reinterpret_cast<const uint4*>(xs);
+    float acc = 0.f;
     for (int c = 0; c < n; c++, i++) {
         const int slot = i % DEPTH;
         mbar_wait(&full[slot], (i / DEPTH) & 1);
         const u64 meta = slot_meta[2 * slot], shape = slot_meta[2 * slot + 1];
         const int row0 = (int)(meta >> 32), seg0 = (int)(shape & 0xffff), rows = (int)((shape >> 16) & 0xffff);
-        const int segs = (int)((shape >> 32) & 0xffff), nseg = rows * segs;
-        const char* base = ring + slot * SLOT;
-        for (int sb = warp * 2; sb < nseg; sb += CONSUMERS / 16) {
-            const int s = sb + ((threadIdx.x >> 4) & 1);
-            const bool valid = s < nseg;
-            const int rr = valid ? s / segs : 0, j = valid ? s - rr * segs : 0;
-            float v = 0.f;
-            if (valid) {
-                const uint4 w = *reinterpret_cast<const uint4*>(base + ((rr * segs + j) * SEG + lane16 * 8) * 2);
-                const uint4 xv = *reinterpret_cast<const uint4*>(xs + (seg0 + j) * SEG + lane16 * 8);
-                const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
-                const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+        const int segs = (int)((shape >> 32) & 0xffff);
+        const uint4* wv = reinterpret_cast<const uint4*>(ring + slot * SLOT);
+        const bool whole = segs * SEG == row_vecs * 8;
+        if (whole) {
+            for (int rr = warp; rr < rows; rr += CONSUMERS / 32) {
+                float v = 0.f;
+                for (int q = lane; q < row_vecs; q += 32) v = dot8(wv[rr * row_vecs + q], xv[q], v);
                 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const float2 wf = __bfloat1622float2(w2[q]), xf = __bfloat1622float2(x2[q]);
-                    v = fmaf(wf.x, xf.x, v);
-                    v = fmaf(wf.y, xf.y, v);
-                }
+                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                if (lane == 0) part[row0 + rr] = v;
             }
-            v += __shfl_xor_sync(0xffffffffu, v, 8);
-            v += __shfl_xor_sync(0xffffffffu, v, 4);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            if (valid && lane16 == 0) part[(row0 + rr) * segs_row + seg0 + j] = v;
+        } else {
+            const int piece_vecs = segs * SEG / 8;
+            const uint4* xp = xv + seg0 * SEG / 8;
+            for (int q = threadIdx.x; q < piece_vecs; q += CONSUMERS) acc = dot8(wv[q], xp[q], acc);
         }
         __syncwarp();
-        if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[slot]);
+        if (lane == 0) mbar_arrive(&empty[slot]);
+        if (!whole && (seg0 + segs) * SEG == row_vecs * 8) {  // the row's last piece
+            const float v = block_sum(acc, red);
+            if (threadIdx.x == 0) part[row0] = v;
+            acc = 0.f;
+        }
     }
     consumers_sync();
     return i;
-}
-
-__device__ __forceinline__ float row_sum(const float* part, int row, int segs_row) {
-    float s = 0.f;
-    for (int j = 0; j < segs_row; j++) s += part[row * segs_row + j];
-    return s;
 }
 
 // q or k of one head, rotated as transformers' rotate_half in bfloat16: q*cos + rotate_half(q)*sin
@@ -235,11 +240,11 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
         const int stride = 4 * ctas;  // from one phase's entry of this CTA to the next phase's
         // qkv: RMSNorm, then this CTA's rows with their bias
         rms_norm(h, reinterpret_cast<const bf16*>(lt[0]), xs, eps, red);
-        i = gemv(slot_meta, ph, i, xs, part, HIDDEN / SEG, ring, full, empty);
+        i = gemv(slot_meta, ph, i, xs, part, HIDDEN / 8, ring, full, empty, red);
         {
             const bf16* bias = reinterpret_cast<const bf16*>(lt[2]);
             for (int rr = tid; rr < ph[3] - ph[2]; rr += CONSUMERS)
-                qkv[ph[2] + rr] = b(row_sum(part, rr, HIDDEN / SEG) + f(bias[ph[2] + rr]));
+                qkv[ph[2] + rr] = b(part[rr] + f(bias[ph[2] + rr]));
         }
         grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 0));
         // attention: work items (kv head, split) over the CTAs
@@ -358,29 +363,29 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
         grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 2));
         // o, then the residual
         load_vector(attn, xs, ATTN);
-        i = gemv(slot_meta, ph + 3 * stride, i, xs, part, ATTN / SEG, ring, full, empty);
+        i = gemv(slot_meta, ph + 3 * stride, i, xs, part, ATTN / 8, ring, full, empty, red);
         for (int rr = tid; rr < ph[3 * stride + 3] - ph[3 * stride + 2]; rr += CONSUMERS) {
             const int row = ph[3 * stride + 2] + rr;
-            h[row] = b(f(__ldcg(h + row)) + r(row_sum(part, rr, ATTN / SEG)));
+            h[row] = b(f(__ldcg(h + row)) + r(part[rr]));
         }
         grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 3));
         // gate-up: RMSNorm, gate rows then up rows of this CTA's features, SiLU(gate) * up
         rms_norm(h, reinterpret_cast<const bf16*>(lt[1]), xs, eps, red);
-        i = gemv(slot_meta, ph + 4 * stride, i, xs, part, HIDDEN / SEG, ring, full, empty);
+        i = gemv(slot_meta, ph + 4 * stride, i, xs, part, HIDDEN / 8, ring, full, empty, red);
         {
             const int f0 = ph[4 * stride + 2], nf = ph[4 * stride + 3] - f0;
             for (int rr = tid; rr < nf; rr += CONSUMERS) {
-                const float gate = r(row_sum(part, rr, HIDDEN / SEG)), up = r(row_sum(part, nf + rr, HIDDEN / SEG));
+                const float gate = r(part[rr]), up = r(part[nf + rr]);
                 act[f0 + rr] = b(r(gate / (1.f + __expf(-gate))) * up);
             }
         }
         grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 4));
         // down, then the residual
         load_vector(act, xs, INTER);
-        i = gemv(slot_meta, ph + 5 * stride, i, xs, part, INTER / SEG, ring, full, empty);
+        i = gemv(slot_meta, ph + 5 * stride, i, xs, part, INTER / 8, ring, full, empty, red);
         for (int rr = tid; rr < ph[5 * stride + 3] - ph[5 * stride + 2]; rr += CONSUMERS) {
             const int row = ph[5 * stride + 2] + rr;
-            h[row] = b(f(__ldcg(h + row)) + r(row_sum(part, rr, INTER / SEG)));
+            h[row] = b(f(__ldcg(h + row)) + r(part[rr]));
         }
         grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 5));
     }
@@ -412,6 +417,8 @@ class PersistentTalker:
                                       (k // SEG) << 32 | n << 16 | 0))
                 else:
                     pieces = -(-row_bytes // SLOT)
+                    while (k // SEG) % pieces:
+                        pieces += 1
                     segs = k // SEG // pieces
                     assert segs * pieces * SEG == k, (k, pieces)
                     for row in range(a, b):
@@ -447,9 +454,8 @@ class PersistentTalker:
                                                  w["qkv_b"].data_ptr(), w["k_cache"].data_ptr(),
                                                  w["v_cache"].data_ptr()] for w in layers],
                                                dtype=np.uint64).view(np.int64), device=dev)
-        rows_gate_up = 2 * -(-INTER // ctas)
-        part_floats = max(rows_gate_up * HIDDEN // SEG, -(-HIDDEN // ctas) * INTER // SEG,
-                          -(-QKV // ctas) * HIDDEN // SEG, -(-HIDDEN // ctas) * ATTN // SEG)
+        part_floats = 2048  # a phase's row sums (at most 2 x 144 gate-up rows a CTA), or attention's scratch
+        assert 2 * -(-INTER // ctas) <= part_floats
         per_split = min((part_floats - (Q_HEADS // KV_HEADS + 2) * HEAD_DIM) // (Q_HEADS // KV_HEADS),
                         INTER // (2 * HEAD_DIM))  # scores in `part`, the slice's keys and values in `xs`
         self.max_context = per_split * splits
@@ -524,7 +530,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--context", type=int, default=700, help="keys in the cache, the new one included")
     ap.add_argument("--ctas", default="132,100")
-    ap.add_argument("--depths", default="12,16")
+    ap.add_argument("--depths", default="8,10")
     ap.add_argument("--splits", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20, help="graph replays of 10 steps")
     args = ap.parse_args()
