@@ -504,11 +504,12 @@ def reference(h: torch.Tensor, layers: list[dict], final_norm: torch.Tensor, cos
         half = HEAD_DIM // 2
         return x * cos + torch.cat([-x[:, half:], x[:, :half]], dim=-1) * sin
 
+    seen = {}  # the last layer's intermediates (for a mismatch's first suspect)
     positions = torch.arange(ctx, device=h.device)
     slots = block_table[positions // page] * page + positions % page
     for w in layers:
         residual = h
-        qkv = F.linear(norm(h, w["in_norm"]), w["qkv_w"], w["qkv_b"])
+        qkv = seen["qkv"] = F.linear(norm(h, w["in_norm"]), w["qkv_w"], w["qkv_b"])
         q = rotate(qkv[:ATTN].view(Q_HEADS, HEAD_DIM))
         k = rotate(qkv[ATTN:ATTN + KV_HEADS * HEAD_DIM].view(KV_HEADS, HEAD_DIM))
         v = qkv[ATTN + KV_HEADS * HEAD_DIM:].view(KV_HEADS, HEAD_DIM)
@@ -518,9 +519,12 @@ def reference(h: torch.Tensor, layers: list[dict], final_norm: torch.Tensor, cos
         scores = torch.einsum("ghd,cgd->ghc", q.view(KV_HEADS, group, HEAD_DIM).float(), keys.float())
         probs = torch.softmax(scores / math.sqrt(HEAD_DIM), dim=-1)
         out = torch.einsum("ghc,cgd->ghd", probs, values.float()).to(q.dtype)
+        seen["attn"] = out.reshape(ATTN)
         h = residual + F.linear(out.reshape(ATTN), w["o_w"])
         gate, up = F.linear(norm(h, w["post_norm"]), w["gate_up_w"]).chunk(2)
-        h = h + F.linear(F.silu(gate) * up, w["down_w"])
+        seen["act"] = F.silu(gate) * up
+        h = h + F.linear(seen["act"], w["down_w"])
+    reference.seen = seen
     return norm(h, final_norm), h
 
 
@@ -560,6 +564,7 @@ def main() -> None:
     caches = [(w["k_cache"].clone(), w["v_cache"].clone()) for w in layers]
     want, want_h = reference(h0.clone(), layers, final_norm, cos, sin, ctx, page, block_table.long(), new_slot, eps)
     ref_caches = [(w["k_cache"].clone(), w["v_cache"].clone()) for w in layers]
+    seen = reference.seen
     # the same layers in float32 (the cache as it was): how far bfloat16 rounding alone moves transformers' result
     exact = [{**{k: v.float() for k, v in w.items()}, "k_cache": kc.float(), "v_cache": vc.float()}
              for w, (kc, vc) in zip(layers, caches, strict=True)]
@@ -583,6 +588,10 @@ def main() -> None:
             err = ((out.float() - want.float()).norm() / want.float().norm()).item()
             err32 = ((out.float() - want32).norm() / want32.norm()).item()
             err_h = ((h.float() - want_h.float()).norm() / want_h.float().norm()).item()
+            if args.layers == 1:  # each phase's output against transformers'
+                for name in ("qkv", "attn", "act"):
+                    got, ref = step.scratch[name].float(), seen[name].float()
+                    print(f"# {name}: rel err {((got - ref).norm() / ref.norm()).item():.2e}", flush=True)
             err_k = max(((w["k_cache"].float() - rk.float()).abs().max()).item()
                         for w, (rk, _) in zip(layers, ref_caches, strict=True))
             again = h0.clone()
