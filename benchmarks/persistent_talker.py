@@ -592,6 +592,11 @@ def main() -> None:
                 for name in ("qkv", "attn", "act"):
                     got, ref = step.scratch[name].float(), seen[name].float()
                     print(f"# {name}: rel err {((got - ref).norm() / ref.norm()).item():.2e}", flush=True)
+                bad = ((step.scratch["act"].float() - seen["act"].float()).abs()
+                       > 0.05 * seen["act"].float().abs() + 1e-3).nonzero().flatten().cpu()
+                per = -(-INTER // ctas)
+                print(f"# act: {len(bad)} of {INTER} off; by CTA {torch.bincount(bad // per).tolist()[:12]}; "
+                      f"by place in a CTA's rows {torch.bincount(bad % per, minlength=per).tolist()}", flush=True)
             err_k = max(((w["k_cache"].float() - rk.float()).abs().max()).item()
                         for w, (rk, _) in zip(layers, ref_caches, strict=True))
             again = h0.clone()
