@@ -537,6 +537,7 @@ def main() -> None:
     ap.add_argument("--depths", default="8,10")
     ap.add_argument("--splits", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20, help="graph replays of 10 steps")
+    ap.add_argument("--zero", default="", help="debugging: weights set to zero on both sides (o_w, down_w)")
     args = ap.parse_args()
     record = recorder(args.out)
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -556,6 +557,9 @@ def main() -> None:
                        "down_w": 0.02 * torch.randn(HIDDEN, INTER, device=dev, dtype=bf),
                        "k_cache": torch.randn(slots, KV_HEADS, HEAD_DIM, device=dev, dtype=bf),
                        "v_cache": torch.randn(slots, KV_HEADS, HEAD_DIM, device=dev, dtype=bf)})
+    for w in layers:
+        for name in filter(None, args.zero.split(",")):
+            w[name].zero_()
     final_norm = 1 + 0.1 * torch.randn(HIDDEN, device=dev, dtype=bf)
     angle = (ctx - 1) / 10000 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM)
     cos = torch.cat([angle.cos(), angle.cos()]).to(bf)
