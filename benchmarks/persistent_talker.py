@@ -73,6 +73,7 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;
 __device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* generation, unsigned ctas,
                                              long long* clock_slot = nullptr) {
     if (clock_slot != nullptr && threadIdx.x == 0 && blockIdx.x == 0) clock_slot[0] = clock64();  // work done
+    __threadfence();  // each thread's own stores, before thread 0 tells the other CTAs (its release alone did not)
     consumers_sync();
     if (threadIdx.x == 0) {
         unsigned seen, old, now;
