@@ -187,7 +187,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
               int layers, const bf16* __restrict__ final_norm, bf16* h, bf16* qkv, bf16* attn, bf16* act,
               float* att_part, bf16* out, const bf16* __restrict__ cos, const bf16* __restrict__ sin,
               const int* __restrict__ block_table, const int* __restrict__ seq_len, const int* __restrict__ new_slot,
-              unsigned* barrier, long long* clocks) {
+              unsigned* barrier, long long* clocks, bf16* xs_seen) {
     extern __shared__ __align__(128) char smem[];
     bf16* xs = reinterpret_cast<bf16*>(smem);
     float* part = reinterpret_cast<float*>(smem + INTER * 2);
@@ -372,6 +372,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
         grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 3));
         // gate-up: RMSNorm, gate rows then up rows of this CTA's features, SiLU(gate) * up
         rms_norm(h, reinterpret_cast<const bf16*>(lt[1]), xs, eps, red);
+        if (cta == 0) for (int k = tid; k < HIDDEN; k += CONSUMERS) xs_seen[k] = xs[k];  // the last layer's (checks)
         i = gemv(slot_meta, ph + 4 * stride, i, xs, part, HIDDEN / 8, ring, full, empty, red);
         {
             const int f0 = ph[4 * stride + 2], nf = ph[4 * stride + 3] - f0;
@@ -480,7 +481,8 @@ class PersistentTalker:
                         "att_part": torch.empty(Q_HEADS * splits * (HEAD_DIM + 2), dtype=torch.float32, device=dev),
                         "barrier": torch.zeros(64, dtype=torch.int32, device=dev),
                         # CTA 0's clock when its work in each phase was done and when every CTA had arrived
-                        "clocks": torch.zeros(len(layers) * PHASES * 2, dtype=torch.int64, device=dev)}
+                        "clocks": torch.zeros(len(layers) * PHASES * 2, dtype=torch.int64, device=dev),
+                        "xs_seen": torch.zeros(HIDDEN, dtype=torch.bfloat16, device=dev)}  # gate-up's input
 
     def __call__(self, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  block_table: torch.Tensor, seq_len: torch.Tensor, new_slot: torch.Tensor) -> None:
@@ -490,7 +492,7 @@ class PersistentTalker:
         self.kernel(grid=(self.ctas, 1, 1), block=(CONSUMERS + 32, 1, 1), shared_mem=self.smem,
                     args=[self.chunks, self.phases, self.layer_tab, len(self.layers), self.final_norm, h, s["qkv"],
                           s["attn"], s["act"], s["att_part"], out, cos, sin, block_table, seq_len, new_slot,
-                          s["barrier"], s["clocks"]])
+                          s["barrier"], s["clocks"], s["xs_seen"]])
 
 
 def reference(h: torch.Tensor, layers: list[dict], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -522,7 +524,8 @@ def reference(h: torch.Tensor, layers: list[dict], final_norm: torch.Tensor, cos
         out = torch.einsum("ghc,cgd->ghd", probs, values.float()).to(q.dtype)
         seen["attn"] = out.reshape(ATTN)
         h = residual + F.linear(out.reshape(ATTN), w["o_w"])
-        gate, up = F.linear(norm(h, w["post_norm"]), w["gate_up_w"]).chunk(2)
+        seen["xs_seen"] = norm(h, w["post_norm"])
+        gate, up = F.linear(seen["xs_seen"], w["gate_up_w"]).chunk(2)
         seen["act"] = F.silu(gate) * up
         h = h + F.linear(seen["act"], w["down_w"])
     reference.seen = seen
@@ -594,7 +597,7 @@ def main() -> None:
             err32 = ((out.float() - want32).norm() / want32.norm()).item()
             err_h = ((h.float() - want_h.float()).norm() / want_h.float().norm()).item()
             if args.layers == 1:  # each phase's output against transformers'
-                for name in ("qkv", "attn", "act"):
+                for name in ("qkv", "attn", "xs_seen", "act"):
                     got, ref = step.scratch[name].float(), seen[name].float()
                     print(f"# {name}: rel err {((got - ref).norm() / ref.norm()).item():.2e}", flush=True)
                 bad = ((step.scratch["act"].float() - seen["act"].float()).abs()
