@@ -46,6 +46,25 @@ __device__ __forceinline__ float f(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 b(float x) { return __float2bfloat16(x); }
 __device__ __forceinline__ float r(float x) { return __bfloat162float(__float2bfloat16(x)); }  // rounded
 
+// What other CTAs wrote in this launch: read from L2 with volatile asm, so the compiler can neither cache it
+// in L1 nor reuse an earlier load of the same address (__ldcg's loads were merged across phases).
+__device__ __forceinline__ bf16 ld_bf16(const bf16* p) {
+    unsigned short v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return __ushort_as_bfloat16(v);
+}
+__device__ __forceinline__ float ld_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint4 ld_v4(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -73,7 +92,7 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;
 __device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* generation, unsigned ctas,
                                              long long* clock_slot = nullptr) {
     if (clock_slot != nullptr && threadIdx.x == 0 && blockIdx.x == 0) clock_slot[0] = clock64();  // work done
-    __threadfence();  // each thread's own stores, before thread 0 tells the other CTAs (its release alone did not)
+    __threadfence();  // each thread's own stores, before thread 0 tells the other CTAs
     consumers_sync();
     if (threadIdx.x == 0) {
         unsigned seen, old, now;
@@ -107,15 +126,15 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 // xs = weight * bf16(h * rsqrt(mean(h^2) + eps)), as transformers' Qwen2RMSNorm in bfloat16
 __device__ void rms_norm(const bf16* h, const bf16* weight, bf16* xs, float eps, float* red) {
     float ss = 0.f;
-    for (int k = threadIdx.x; k < HIDDEN; k += CONSUMERS) { const float v = f(__ldcg(h + k)); ss += v * v; }
+    for (int k = threadIdx.x; k < HIDDEN; k += CONSUMERS) { const float v = f(ld_bf16(h + k)); ss += v * v; }
     const float rstd = rsqrtf(block_sum(ss, red) / HIDDEN + eps);
-    for (int k = threadIdx.x; k < HIDDEN; k += CONSUMERS) xs[k] = b(f(weight[k]) * r(f(__ldcg(h + k)) * rstd));
+    for (int k = threadIdx.x; k < HIDDEN; k += CONSUMERS) xs[k] = b(f(weight[k]) * r(f(ld_bf16(h + k)) * rstd));
     consumers_sync();
 }
 
 __device__ void load_vector(const bf16* src, bf16* xs, int n) {
     for (int k = threadIdx.x; k < n / 8; k += CONSUMERS)
-        reinterpret_cast<uint4*>(xs)[k] = __ldcg(reinterpret_cast<const uint4*>(src) + k);
+        reinterpret_cast<uint4*>(xs)[k] = ld_v4(reinterpret_cast<const uint4*>(src) + k);
     consumers_sync();
 }
 
@@ -175,8 +194,8 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
 
 // q or k of one head, rotated as transformers' rotate_half in bfloat16: q*cos + rotate_half(q)*sin
 __device__ __forceinline__ float rotated(const bf16* x, const bf16* cos, const bf16* sin, int d) {
-    const float other = d < HEAD_DIM / 2 ? -f(__ldcg(x + d + HEAD_DIM / 2)) : f(__ldcg(x + d - HEAD_DIM / 2));
-    return r(r(f(__ldcg(x + d)) * f(cos[d])) + r(other * f(sin[d])));
+    const float other = d < HEAD_DIM / 2 ? -f(ld_bf16(x + d + HEAD_DIM / 2)) : f(ld_bf16(x + d - HEAD_DIM / 2));
+    return r(r(f(ld_bf16(x + d)) * f(cos[d])) + r(other * f(sin[d])));
 }
 
 // tables: layer_tab[layer] = in_norm, post_norm, qkv bias, k cache, v cache (addresses); phase_tab[(layer*6 +
@@ -264,7 +283,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
             if (owns_new) {
                 for (int d = tid; d < HEAD_DIM; d += CONSUMERS) {
                     const float k = rotated(qkv + ATTN + g * HEAD_DIM, cos, sin, d);
-                    const float v = f(__ldcg(qkv + ATTN + KV_HEADS * HEAD_DIM + g * HEAD_DIM + d));
+                    const float v = f(ld_bf16(qkv + ATTN + KV_HEADS * HEAD_DIM + g * HEAD_DIM + d));
                     kn[d] = k;
                     vn[d] = v;
                     kc[((u64)slot_new * KV_HEADS + g) * HEAD_DIM + d] = b(k);
@@ -351,12 +370,12 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
                 const int head = idx / HEAD_DIM, d = idx % HEAD_DIM;
                 const float* src = att_part + (u64)head * SPLITS * (HEAD_DIM + 2);
                 float m = -1e30f;
-                for (int s = 0; s < SPLITS; s++) m = fmaxf(m, __ldcg(src + s * (HEAD_DIM + 2)));
+                for (int s = 0; s < SPLITS; s++) m = fmaxf(m, ld_f32(src + s * (HEAD_DIM + 2)));
                 float l = 0.f, a = 0.f;
                 for (int s = 0; s < SPLITS; s++) {
-                    const float w = __expf(__ldcg(src + s * (HEAD_DIM + 2)) - m);
-                    l += w * __ldcg(src + s * (HEAD_DIM + 2) + 1);
-                    a += w * __ldcg(src + s * (HEAD_DIM + 2) + 2 + d);
+                    const float w = __expf(ld_f32(src + s * (HEAD_DIM + 2)) - m);
+                    l += w * ld_f32(src + s * (HEAD_DIM + 2) + 1);
+                    a += w * ld_f32(src + s * (HEAD_DIM + 2) + 2 + d);
                 }
                 attn[idx] = b(a / l);
             }
@@ -367,7 +386,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
         i = gemv(slot_meta, ph + 3 * stride, i, xs, part, ATTN / 8, ring, full, empty, red);
         for (int rr = tid; rr < ph[3 * stride + 3] - ph[3 * stride + 2]; rr += CONSUMERS) {
             const int row = ph[3 * stride + 2] + rr;
-            h[row] = b(f(__ldcg(h + row)) + r(part[rr]));
+            h[row] = b(f(ld_bf16(h + row)) + r(part[rr]));
         }
         grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 3));
         // gate-up: RMSNorm, gate rows then up rows of this CTA's features, SiLU(gate) * up
@@ -387,7 +406,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
         i = gemv(slot_meta, ph + 5 * stride, i, xs, part, INTER / 8, ring, full, empty, red);
         for (int rr = tid; rr < ph[5 * stride + 3] - ph[5 * stride + 2]; rr += CONSUMERS) {
             const int row = ph[5 * stride + 2] + rr;
-            h[row] = b(f(__ldcg(h + row)) + r(part[rr]));
+            h[row] = b(f(ld_bf16(h + row)) + r(part[rr]));
         }
         grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 5));
     }
