@@ -150,6 +150,12 @@ __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc)
     return acc;
 }
 
+#ifdef NO_MATH
+#define NO_MATH_ON true
+#else
+#define NO_MATH_ON false
+#endif
+
 // One GEMV phase's chunks against xs; part[local row] gets each row's sum (in a fixed order). Short rows (a
 // chunk holds whole rows): a warp a row. Long rows (a chunk holds a piece of one): each thread keeps a running
 // sum over the row's pieces, summed across the block after its last one. Returns the ring position after.
@@ -167,7 +173,11 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
         const int segs = (int)((shape >> 32) & 0xffff);
         const uint4* wv = reinterpret_cast<const uint4*>(ring + slot * SLOT);
         const bool whole = segs * SEG == row_vecs * 8;
+#ifdef NO_MATH  // timing only: the ring's traffic without the consumers' arithmetic
+        if (false) {
+#else
         if (whole) {
+#endif
             for (int rr = warp; rr < rows; rr += CONSUMERS / 32) {
                 float v = 0.f;
                 for (int q = lane; q < row_vecs; q += 32) v = dot8(wv[rr * row_vecs + q], xv[q], v);
@@ -175,7 +185,7 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
                 for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
                 if (lane == 0) part[row0 + rr] = v;
             }
-        } else {
+        } else if (!NO_MATH_ON) {
             const int piece_vecs = segs * SEG / 8;
             const uint4* xp = xv + seg0 * SEG / 8;
             for (int q = threadIdx.x; q < piece_vecs; q += CONSUMERS) acc = dot8(wv[q], xp[q], acc);
@@ -419,7 +429,7 @@ class PersistentTalker:
     """The decoder layers' weights as chunk tables for `talker_layers`, and its launch."""
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, ctas: int, depth: int, splits: int,
-                 page: int, eps: float):
+                 page: int, eps: float, no_math: bool = False):
         dev = final_norm.device
         self.ctas, self.depth, self.splits, self.layers = ctas, depth, splits, layers
         self.final_norm = final_norm
@@ -485,7 +495,7 @@ class PersistentTalker:
                    f"-DHIDDEN={HIDDEN}", f"-DINTER={INTER}", f"-DATTN={ATTN}", f"-DKV_HEADS={KV_HEADS}",
                    f"-DHEAD_DIM={HEAD_DIM}", f"-DGROUP={Q_HEADS // KV_HEADS}", f"-DSPLITS={splits}",
                    f"-DPAGE={page}", f"-DPART_FLOATS={part_floats}", f"-DEPS={eps!r}f",
-                   f"-DSCALE={1 / math.sqrt(HEAD_DIM)!r}f", "-std=c++17"]
+                   f"-DSCALE={1 / math.sqrt(HEAD_DIM)!r}f", "-std=c++17", *(["-DNO_MATH"] if no_math else [])]
         self.kernel = torch.cuda._compile_kernel(SOURCE, "talker_layers", nvcc_options=options)
         if hasattr(self.kernel, "set_shared_memory_config"):
             self.kernel.set_shared_memory_config(self.smem)
@@ -560,6 +570,8 @@ def main() -> None:
     ap.add_argument("--depths", default="8,10")
     ap.add_argument("--splits", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20, help="graph replays of 10 steps")
+    ap.add_argument("--no-math", action="store_true",
+                    help="timing only: GEMV phases stream their weights but skip the arithmetic (wrong results)")
     ap.add_argument("--zero", default="", help="debugging: weights set to zero on both sides (o_w, down_w)")
     args = ap.parse_args()
     record = recorder(args.out)
@@ -607,7 +619,7 @@ def main() -> None:
             for w, (k, v) in zip(layers, caches, strict=True):  # the cache before the step
                 w["k_cache"].copy_(k)
                 w["v_cache"].copy_(v)
-            step = PersistentTalker(layers, final_norm, ctas, depth, args.splits, page, eps)
+            step = PersistentTalker(layers, final_norm, ctas, depth, args.splits, page, eps, args.no_math)
             assert ctx <= step.max_context, (ctx, step.max_context)
             h, out = h0.clone(), torch.empty(HIDDEN, device=dev, dtype=bf)
             step(h, out, cos, sin, block_table, seq_len, slot_t)
@@ -657,7 +669,8 @@ def main() -> None:
             names = ("qkv", "attention", "merge", "o", "gate_up", "down")
             phase_us = {n: [round(float(w) / 1980, 2), round(float(x) / 1980, 2)]
                         for n, w, x in zip(names, work.tolist(), wait.tolist(), strict=True)}
-            record(part="persistent_talker", ctas=ctas, depth=depth, cta0_us_work_then_wait=phase_us,
+            record(part="persistent_talker", ctas=ctas, depth=depth, no_math=args.no_math,
+                   cta0_us_work_then_wait=phase_us,
                    splits=args.splits, context=ctx,
                    layers=args.layers, ms_a_step=round(statistics.median(times), 4),
                    ms_min=round(min(times), 4), rel_err_out=f"{err:.2e}",
