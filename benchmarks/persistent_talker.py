@@ -1,21 +1,25 @@
-"""A batch-1 decode step of Qwen2.5-Omni's talker decoder as one persistent CUDA kernel: a prototype.
+"""A batch-1 decode step of Qwen2.5-Omni's talker decoder as one persistent CUDA kernel: a prototype, slower
+than the kernel chain it would replace (benchmarks/results/omni_qwen2_5.md, run 32).
 
 benchmarks/persistent_step.py measured the design's ceiling (~0.94 ms a step for the released talker's weights
-with six grid barriers a layer, against ~1.12 ms for today's ~200-kernel chain). This is the real thing for the
-decoder layers: one CTA a SM; a producer warp streams the CTA's weight rows through a shared-memory ring with bulk
-copies, layer after layer, regardless of the barriers; the consumer warps do each phase's arithmetic and wait at
-the grid barriers between phases:
+with six grid barriers a layer, against ~1.12 ms a code for today's ~200-kernel chain). This is the real thing
+for the decoder layers: one CTA a SM; a producer warp streams the CTA's weight rows through a shared-memory ring
+with bulk copies, layer after layer, regardless of the barriers; the consumer warps do each phase's arithmetic
+and wait at the grid barriers between phases:
 
     qkv (RMSNorm, GEMV + bias) | attention (rotary, the new key and value into the paged cache, split over the
     context) | merge of the splits | o (GEMV + residual) | gate-up (RMSNorm, GEMV, SiLU * up) | down (GEMV +
     residual)
 
-Rounding follows transformers' bfloat16 Qwen2 layer (each op's output rounded to bfloat16). Rows' sums are in a
+Rounding follows transformers' bfloat16 Qwen2 layer (each op's output rounded to bfloat16); rows' sums are in a
 fixed order (no atomics), so a step gives the same bits every time. The codec head and the draw stay outside.
-
-It checks the step against a torch reference on random weights at the released shapes and times it:
+On an H200 (run 32) it matches a torch reference as closely as transformers' own bfloat16 layers match float32
+(2.06% against 2.02% after 24 random layers) and takes 1.53-1.55 ms a step: the GEMV arithmetic holds gate-up
+and down at ~2.6 TB/s (`--no-math`: 4.5 and 4.0, 1.17 ms a step), and the phases that stream little (qkv,
+attention, merge, o) with their barriers cost ~25 µs a layer, against ~17 µs for the chain's kernels.
 
     python benchmarks/persistent_talker.py --out persistent_talker.jsonl        # GPU (torch's NVRTC compiles it)
+    python benchmarks/persistent_talker.py --layers 1 --ctas 132 --depths 8     # each phase checked at one layer
 """
 
 from __future__ import annotations
@@ -633,9 +637,7 @@ def main() -> None:
                     print(f"# {name}: rel err {((got - ref).norm() / ref.norm()).item():.2e}", flush=True)
                 bad = ((step.scratch["act"].float() - seen["act"].float()).abs()
                        > 0.05 * seen["act"].float().abs() + 1e-3).nonzero().flatten().cpu()
-                per = -(-INTER // ctas)
-                print(f"# act: {len(bad)} of {INTER} off; by CTA {torch.bincount(bad // per).tolist()[:12]}; "
-                      f"by place in a CTA's rows {torch.bincount(bad % per, minlength=per).tolist()}", flush=True)
+                print(f"# act: {len(bad)} of {INTER} values more than 5% off", flush=True)
             err_k = max(((w["k_cache"].float() - rk.float()).abs().max()).item()
                         for w, (rk, _) in zip(layers, ref_caches, strict=True))
             again = h0.clone()
