@@ -168,7 +168,7 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
     const int n = phase[1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint4* xv = reinterpret_cast<const uint4*>(xs);
-    float acc = 0.f;
+    float acc4[4] = {0.f, 0.f, 0.f, 0.f};  // long rows: this thread's running sums over the row's pieces
     for (int c = 0; c < n; c++, i++) {
         const int slot = i % DEPTH;
         mbar_wait(&full[slot], (i / DEPTH) & 1);
@@ -183,8 +183,20 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
         if (whole) {
 #endif
             for (int rr = warp; rr < rows; rr += CONSUMERS / 32) {
-                float v = 0.f;
-                for (int q = lane; q < row_vecs; q += 32) v = dot8(wv[rr * row_vecs + q], xv[q], v);
+                // four vectors a lane at a time, loads first, four independent sums (the chain was latency-bound)
+                float sums[4] = {0.f, 0.f, 0.f, 0.f};
+                for (int q0 = lane; q0 < row_vecs; q0 += 128) {
+                    uint4 w4[4], x4[4];
+                    #pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        const int q = q0 + 32 * u;
+                        if (q < row_vecs) { w4[u] = wv[rr * row_vecs + q]; x4[u] = xv[q]; }
+                    }
+                    #pragma unroll
+                    for (int u = 0; u < 4; u++)
+                        if (q0 + 32 * u < row_vecs) sums[u] = dot8(w4[u], x4[u], sums[u]);
+                }
+                float v = (sums[0] + sums[1]) + (sums[2] + sums[3]);
                 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
                 if (lane == 0) part[row0 + rr] = v;
@@ -192,14 +204,24 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
         } else if (!NO_MATH_ON) {
             const int piece_vecs = segs * SEG / 8;
             const uint4* xp = xv + seg0 * SEG / 8;
-            for (int q = threadIdx.x; q < piece_vecs; q += CONSUMERS) acc = dot8(wv[q], xp[q], acc);
+            for (int q0 = threadIdx.x; q0 < piece_vecs; q0 += 4 * CONSUMERS) {
+                uint4 w4[4], x4[4];
+                #pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const int q = q0 + CONSUMERS * u;
+                    if (q < piece_vecs) { w4[u] = wv[q]; x4[u] = xp[q]; }
+                }
+                #pragma unroll
+                for (int u = 0; u < 4; u++)
+                    if (q0 + CONSUMERS * u < piece_vecs) acc4[u] = dot8(w4[u], x4[u], acc4[u]);
+            }
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
         if (!whole && (seg0 + segs) * SEG == row_vecs * 8) {  // the row's last piece
-            const float v = block_sum(acc, red);
+            const float v = block_sum((acc4[0] + acc4[1]) + (acc4[2] + acc4[3]), red);
             if (threadIdx.x == 0) part[row0] = v;
-            acc = 0.f;
+            acc4[0] = acc4[1] = acc4[2] = acc4[3] = 0.f;
         }
     }
     consumers_sync();
