@@ -14,8 +14,8 @@ and wait at the grid barriers between phases:
 Rounding follows transformers' bfloat16 Qwen2 layer (each op's output rounded to bfloat16); rows' sums are in a
 fixed order (no atomics), so a step gives the same bits every time. The codec head and the draw stay outside.
 On an H200 (run 32) it matches a torch reference as closely as transformers' own bfloat16 layers match float32
-(2.06% against 2.02% after 24 random layers) and takes 1.53-1.55 ms a step: the GEMV arithmetic holds gate-up
-and down at ~2.6 TB/s (`--no-math`: 4.5 and 4.0, 1.17 ms a step), and the phases that stream little (qkv,
+(2.06-2.13% against 2.02% after 24 random layers) and takes 1.45 ms a step: the GEMV arithmetic holds gate-up
+at 21 µs and down at 14 (`--no-math`: 15.1 and 8.4, 1.17 ms a step), and the phases that stream little (qkv,
 attention, merge, o) with their barriers cost ~25 µs a layer, against ~17 µs for the chain's kernels.
 
     python benchmarks/persistent_talker.py --out persistent_talker.jsonl        # GPU (torch's NVRTC compiles it)
