@@ -451,6 +451,48 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
 """
 
 
+def chunk_tables(layers: list[dict], ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the producer warp streams: chunks [n, 3] (source address, local row << 32 | bytes, segments << 32 |
+    rows << 16 | first segment) and phases [layers, PHASES, ctas, 4] (first chunk, chunks, first row, end row; for
+    gate-up the rows are features, its gate rows then its up rows). A chunk holds whole rows (up to SLOT bytes) or,
+    for rows longer than a slot, an equal piece of one."""
+    chunks, phases = [], np.zeros((len(layers), PHASES, ctas, 4), dtype=np.int32)
+
+    def add(weight: torch.Tensor, row_ranges: list[tuple[int, int]]) -> None:
+        k = weight.shape[1]
+        row_bytes, local = k * 2, 0
+        for a, b in row_ranges:
+            if row_bytes <= SLOT:
+                per = SLOT // row_bytes
+                for r0 in range(a, b, per):
+                    n = min(per, b - r0)
+                    chunks.append((weight.data_ptr() + r0 * row_bytes, (local + r0 - a) << 32 | n * row_bytes,
+                                   (k // SEG) << 32 | n << 16))
+            else:
+                pieces = -(-row_bytes // SLOT)
+                while (k // SEG) % pieces:
+                    pieces += 1
+                segs = k // SEG // pieces
+                for row in range(a, b):
+                    for p in range(pieces):
+                        chunks.append((weight.data_ptr() + row * row_bytes + p * segs * SEG * 2,
+                                       (local + row - a) << 32 | segs * SEG * 2, segs << 32 | 1 << 16 | p * segs))
+            local += b - a
+
+    def split(n: int) -> list[tuple[int, int]]:
+        per = -(-n // ctas)
+        return [(min(c * per, n), min((c + 1) * per, n)) for c in range(ctas)]
+
+    for li, w in enumerate(layers):
+        for phase, name, rows in ((0, "qkv_w", QKV), (3, "o_w", HIDDEN), (4, "gate_up_w", INTER),
+                                  (5, "down_w", HIDDEN)):
+            for c, (a, b) in enumerate(split(rows)):
+                first = len(chunks)
+                add(w[name], [(a, b), (INTER + a, INTER + b)] if name == "gate_up_w" else [(a, b)])
+                phases[li, phase, c] = (first, len(chunks) - first, a, b)
+    return np.array(chunks, dtype=np.uint64).view(np.int64).reshape(-1, 3), phases
+
+
 class PersistentTalker:
     """The decoder layers' weights as chunk tables for `talker_layers`, and its launch."""
 
@@ -459,54 +501,7 @@ class PersistentTalker:
         dev = final_norm.device
         self.ctas, self.depth, self.splits, self.layers = ctas, depth, splits, layers
         self.final_norm = final_norm
-        chunks, phases = [], np.zeros((len(layers), PHASES, ctas, 4), dtype=np.int32)
-
-        def add(phase_rows: list[tuple[int, int]], weight: torch.Tensor, local0: int, table: list) -> None:
-            """Chunks of `weight`'s rows [a, b) for local rows from local0: whole rows, or quarter rows."""
-            k = weight.shape[1]
-            row_bytes = k * 2
-            for a, b in phase_rows:
-                if row_bytes <= SLOT:
-                    per = SLOT // row_bytes
-                    for r0 in range(a, b, per):
-                        n = min(per, b - r0)
-                        table.append((weight.data_ptr() + r0 * row_bytes, (local0 + r0 - a) << 32 | n * row_bytes,
-                                      (k // SEG) << 32 | n << 16 | 0))
-                else:
-                    pieces = -(-row_bytes // SLOT)
-                    while (k // SEG) % pieces:
-                        pieces += 1
-                    segs = k // SEG // pieces
-                    assert segs * pieces * SEG == k, (k, pieces)
-                    for row in range(a, b):
-                        for p in range(pieces):
-                            table.append((weight.data_ptr() + row * row_bytes + p * segs * SEG * 2,
-                                          (local0 + row - a) << 32 | segs * SEG * 2, segs << 32 | 1 << 16 | p * segs))
-                local0 += b - a
-
-        def split(n: int) -> list[tuple[int, int]]:
-            per = -(-n // ctas)
-            return [(min(c * per, n), min((c + 1) * per, n)) for c in range(ctas)]
-
-        for li, w in enumerate(layers):
-            for c, (a, b) in enumerate(split(QKV)):
-                phases[li, 0, c] = (len(chunks), 0, a, b)
-                add([(a, b)], w["qkv_w"], 0, chunks)
-                phases[li, 0, c, 1] = len(chunks) - phases[li, 0, c, 0]
-            for c, (a, b) in enumerate(split(HIDDEN)):
-                phases[li, 3, c] = (len(chunks), 0, a, b)
-                add([(a, b)], w["o_w"], 0, chunks)
-                phases[li, 3, c, 1] = len(chunks) - phases[li, 3, c, 0]
-            for c, (a, b) in enumerate(split(INTER)):
-                phases[li, 4, c] = (len(chunks), 0, a, b)
-                add([(a, b), (INTER + a, INTER + b)], w["gate_up_w"], 0, chunks)
-                phases[li, 4, c, 1] = len(chunks) - phases[li, 4, c, 0]
-            for c, (a, b) in enumerate(split(HIDDEN)):
-                phases[li, 5, c] = (len(chunks), 0, a, b)
-                add([(a, b)], w["down_w"], 0, chunks)
-                phases[li, 5, c, 1] = len(chunks) - phases[li, 5, c, 0]
-        self.chunks = torch.tensor(np.array(chunks, dtype=np.uint64).view(np.int64), device=dev)
-        self.phases = torch.tensor(phases, device=dev)
+        self.chunks, self.phases = (torch.tensor(t, device=dev) for t in chunk_tables(layers, ctas))
         self.layer_tab = torch.tensor(np.array([[w["in_norm"].data_ptr(), w["post_norm"].data_ptr(),
                                                  w["qkv_b"].data_ptr(), w["k_cache"].data_ptr(),
                                                  w["v_cache"].data_ptr()] for w in layers],
@@ -551,9 +546,10 @@ class PersistentTalker:
 
 
 def reference(h: torch.Tensor, layers: list[dict], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              ctx: int, page: int, block_table: torch.Tensor, new_slot: int, eps: float) -> torch.Tensor:
+              ctx: int, page: int, block_table: torch.Tensor, new_slot: int, eps: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' Qwen2 decoder layers for one token (the cache holds ctx - 1 earlier keys), in the dtype of
-    the weights and h."""
+    the weights and h: (the final norm's output, the last layer's output)."""
     def norm(x, w):
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
