@@ -451,10 +451,10 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
 """
 
 
-def chunk_tables(layers: list[dict], ctas: int) -> tuple[np.ndarray, np.ndarray]:
+def chunk_tables(layers: list[dict], ctas: int, slot: int = SLOT) -> tuple[np.ndarray, np.ndarray]:
     """What the producer warp streams: chunks [n, 3] (source address, local row << 32 | bytes, segments << 32 |
     rows << 16 | first segment) and phases [layers, PHASES, ctas, 4] (first chunk, chunks, first row, end row; for
-    gate-up the rows are features, its gate rows then its up rows). A chunk holds whole rows (up to SLOT bytes) or,
+    gate-up the rows are features, its gate rows then its up rows). A chunk holds whole rows (up to `slot` bytes) or,
     for rows longer than a slot, an equal piece of one."""
     chunks, phases = [], np.zeros((len(layers), PHASES, ctas, 4), dtype=np.int32)
 
@@ -462,14 +462,14 @@ def chunk_tables(layers: list[dict], ctas: int) -> tuple[np.ndarray, np.ndarray]
         k = weight.shape[1]
         row_bytes, local = k * 2, 0
         for a, b in row_ranges:
-            if row_bytes <= SLOT:
-                per = SLOT // row_bytes
+            if row_bytes <= slot:
+                per = slot // row_bytes
                 for r0 in range(a, b, per):
                     n = min(per, b - r0)
                     chunks.append((weight.data_ptr() + r0 * row_bytes, (local + r0 - a) << 32 | n * row_bytes,
                                    (k // SEG) << 32 | n << 16))
             else:
-                pieces = -(-row_bytes // SLOT)
+                pieces = -(-row_bytes // slot)
                 while (k // SEG) % pieces:
                     pieces += 1
                 segs = k // SEG // pieces
@@ -497,11 +497,12 @@ class PersistentTalker:
     """The decoder layers' weights as chunk tables for `talker_layers`, and its launch."""
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, ctas: int, depth: int, splits: int,
-                 page: int, eps: float, no_math: bool = False):
+                 page: int, eps: float, no_math: bool = False, consumers: int = CONSUMERS, slot: int = SLOT):
         dev = final_norm.device
         self.ctas, self.depth, self.splits, self.layers = ctas, depth, splits, layers
         self.final_norm = final_norm
-        self.chunks, self.phases = (torch.tensor(t, device=dev) for t in chunk_tables(layers, ctas))
+        self.consumers = consumers
+        self.chunks, self.phases = (torch.tensor(t, device=dev) for t in chunk_tables(layers, ctas, slot))
         self.layer_tab = torch.tensor(np.array([[w["in_norm"].data_ptr(), w["post_norm"].data_ptr(),
                                                  w["qkv_b"].data_ptr(), w["k_cache"].data_ptr(),
                                                  w["v_cache"].data_ptr()] for w in layers],
@@ -511,8 +512,8 @@ class PersistentTalker:
         per_split = min((part_floats - (Q_HEADS // KV_HEADS + 2) * HEAD_DIM) // (Q_HEADS // KV_HEADS),
                         INTER // (2 * HEAD_DIM))  # scores in `part`, the slice's keys and values in `xs`
         self.max_context = per_split * splits
-        self.smem = INTER * 2 + part_floats * 4 + depth * SLOT
-        options = [f"-DCONSUMERS={CONSUMERS}", f"-DDEPTH={depth}", f"-DSLOT={SLOT}", f"-DSEG={SEG}",
+        self.smem = INTER * 2 + part_floats * 4 + depth * slot
+        options = [f"-DCONSUMERS={consumers}", f"-DDEPTH={depth}", f"-DSLOT={slot}", f"-DSEG={SEG}",
                    f"-DHIDDEN={HIDDEN}", f"-DINTER={INTER}", f"-DATTN={ATTN}", f"-DKV_HEADS={KV_HEADS}",
                    f"-DHEAD_DIM={HEAD_DIM}", f"-DGROUP={Q_HEADS // KV_HEADS}", f"-DSPLITS={splits}",
                    f"-DPAGE={page}", f"-DPART_FLOATS={part_floats}", f"-DEPS={eps!r}f",
@@ -539,7 +540,7 @@ class PersistentTalker:
         """One step: h [HIDDEN] (bfloat16) is the first layer's input and becomes the last layer's output
         (before the final norm); out [HIDDEN] gets the final norm of it."""
         s = self.scratch
-        self.kernel(grid=(self.ctas, 1, 1), block=(CONSUMERS + 32, 1, 1), shared_mem=self.smem,
+        self.kernel(grid=(self.ctas, 1, 1), block=(self.consumers + 32, 1, 1), shared_mem=self.smem,
                     args=[self.chunks, self.phases, self.layer_tab, len(self.layers), self.final_norm, h, s["qkv"],
                           s["attn"], s["act"], s["att_part"], out, cos, sin, block_table, seq_len, new_slot,
                           s["barrier"], s["clocks"], s["xs_seen"]])
@@ -592,6 +593,8 @@ def main() -> None:
     ap.add_argument("--depths", default="8,10")
     ap.add_argument("--splits", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20, help="graph replays of 10 steps")
+    ap.add_argument("--consumers", type=int, default=CONSUMERS, help="consumer threads a CTA (and a producer warp)")
+    ap.add_argument("--slot", type=int, default=SLOT, help="bytes a ring slot (whole rows of 896: 1792 each)")
     ap.add_argument("--no-math", action="store_true",
                     help="timing only: GEMV phases stream their weights but skip the arithmetic (wrong results)")
     ap.add_argument("--zero", default="", help="debugging: weights set to zero on both sides (o_w, down_w)")
@@ -641,7 +644,8 @@ def main() -> None:
             for w, (k, v) in zip(layers, caches, strict=True):  # the cache before the step
                 w["k_cache"].copy_(k)
                 w["v_cache"].copy_(v)
-            step = PersistentTalker(layers, final_norm, ctas, depth, args.splits, page, eps, args.no_math)
+            step = PersistentTalker(layers, final_norm, ctas, depth, args.splits, page, eps, args.no_math,
+                                    args.consumers, args.slot)
             assert ctx <= step.max_context, (ctx, step.max_context)
             h, out = h0.clone(), torch.empty(HIDDEN, device=dev, dtype=bf)
             step(h, out, cos, sin, block_table, seq_len, slot_t)
@@ -689,7 +693,8 @@ def main() -> None:
             names = ("qkv", "attention", "merge", "o", "gate_up", "down")
             phase_us = {n: [round(float(w) / 1980, 2), round(float(x) / 1980, 2)]
                         for n, w, x in zip(names, work.tolist(), wait.tolist(), strict=True)}
-            record(part="persistent_talker", ctas=ctas, depth=depth, no_math=args.no_math,
+            record(part="persistent_talker", ctas=ctas, depth=depth, no_math=args.no_math, consumers=args.consumers,
+                   slot=args.slot,
                    cta0_us_work_then_wait=phase_us,
                    splits=args.splits, context=ctx,
                    layers=args.layers, ms_a_step=round(statistics.median(times), 4),
