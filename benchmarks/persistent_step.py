@@ -133,9 +133,9 @@ persistent_step(const char* __restrict__ weights, const long long* __restrict__ 
 }
 """
 
-SPECIALIZED = r"""
-#include <cuda_bf16.h>
-
+# A ring slot filled by one bulk copy (cp.async.bulk) and guarded by two mbarriers (full: its bytes landed; empty:
+# every consumer warp is done with it). Also compiled into persistent_talker.py's kernel.
+BULK_RING = r"""
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -156,6 +156,11 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(b)) : "memory");
 }
+"""
+
+SPECIALIZED = r"""
+#include <cuda_bf16.h>
+""" + BULK_RING + r"""
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(THREADS) : "memory"); }
 
 // release/acquire atomics at GPU scope: the arrival publishes this CTA's stores, the generation's change

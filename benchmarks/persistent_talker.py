@@ -31,6 +31,7 @@ import statistics
 import numpy as np
 import torch
 import torch.nn.functional as F
+from persistent_step import BULK_RING
 from recording import recorder
 
 HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD_DIM = 896, 18944, 12, 4, 128
@@ -71,27 +72,7 @@ __device__ __forceinline__ uint4 ld_v4(const uint4* p) {
     return v;
 }
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(u64* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(u64* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, unsigned parity) {
-    asm volatile("{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 " @!done bra WAIT;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
+""" + BULK_RING + r"""
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory"); }
 
 // every consumer of every CTA: release what this CTA wrote, acquire what the others did
@@ -228,6 +209,14 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
     }
     consumers_sync();
     return i;
+}
+
+// h[row] += the phase's row sum (rounded to bfloat16, as a linear's output) for this CTA's rows of the phase
+__device__ void add_to_residual(bf16* h, const float* part, const int* phase) {
+    for (int rr = threadIdx.x; rr < phase[3] - phase[2]; rr += CONSUMERS) {
+        const int row = phase[2] + rr;
+        h[row] = b(f(ld_bf16(h + row)) + r(part[rr]));
+    }
 }
 
 // q or k of one head, rotated as transformers' rotate_half in bfloat16: q*cos + rotate_half(q)*sin
@@ -422,10 +411,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
         // o, then the residual
         load_vector(attn, xs, ATTN);
         i = gemv(slot_meta, ph + 3 * stride, i, xs, part, ATTN / 8, ring, full, empty, red);
-        for (int rr = tid; rr < ph[3 * stride + 3] - ph[3 * stride + 2]; rr += CONSUMERS) {
-            const int row = ph[3 * stride + 2] + rr;
-            h[row] = b(f(ld_bf16(h + row)) + r(part[rr]));
-        }
+        add_to_residual(h, part, ph + 3 * stride);
         grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 3));
         // gate-up: RMSNorm, gate rows then up rows of this CTA's features, SiLU(gate) * up
         rms_norm(h, reinterpret_cast<const bf16*>(lt[1]), xs, eps, red);
@@ -442,10 +428,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
         // down, then the residual
         load_vector(act, xs, INTER);
         i = gemv(slot_meta, ph + 5 * stride, i, xs, part, INTER / 8, ring, full, empty, red);
-        for (int rr = tid; rr < ph[5 * stride + 3] - ph[5 * stride + 2]; rr += CONSUMERS) {
-            const int row = ph[5 * stride + 2] + rr;
-            h[row] = b(f(ld_bf16(h + row)) + r(part[rr]));
-        }
+        add_to_residual(h, part, ph + 5 * stride);
         grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 5));
     }
     if (cta == 0) rms_norm(h, final_norm, out, eps, red);
