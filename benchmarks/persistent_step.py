@@ -156,6 +156,19 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(b)) : "memory");
 }
+// the same copy, telling L2 to drop the bytes first (they are read once a step): keeps prefetched bytes in L2
+__device__ __forceinline__ void bulk_copy_evict_first(void* dst, const void* src, unsigned bytes,
+                                                      unsigned long long* b) {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                 " [%0], [%1], %2, [%3], %4;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(b)), "l"(policy) : "memory");
+}
+// a hint, nothing waits for it: the bytes into L2, so a later bulk copy of them does not wait for the memory
+__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
+}
 """
 
 SPECIALIZED = r"""

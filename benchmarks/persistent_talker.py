@@ -25,6 +25,7 @@ barriers ~25 µs a layer, against ~17 µs for the chain's kernels (~1.05 ms for 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 
@@ -227,12 +228,14 @@ __device__ __forceinline__ float rotated(const bf16* x, const bf16* cos, const b
 
 // tables: layer_tab[layer] = in_norm, post_norm, qkv bias, k cache, v cache (addresses); phase_tab[(layer*6 +
 // phase) * ctas + cta] = first chunk, chunks, first row, end row; chunks[c] = source address, (local row << 32 |
-// bytes), (segments << 32 | rows << 16 | first segment)
+// bytes), (segments << 32 | rows << 16 | first segment), each CTA's chunks together in its stream's order, from
+// cta_chunks[cta] to cta_chunks[cta + 1]
 extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
-talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab, const u64* __restrict__ layer_tab,
-              int layers, const bf16* __restrict__ final_norm, bf16* h, bf16* qkv, bf16* attn, bf16* act,
-              float* att_part, bf16* out, const bf16* __restrict__ cos, const bf16* __restrict__ sin,
-              const int* __restrict__ block_table, const int* __restrict__ seq_len, const int* __restrict__ new_slot,
+talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks, const int* __restrict__ phase_tab,
+              const u64* __restrict__ layer_tab, int layers, const bf16* __restrict__ final_norm, bf16* h, bf16* qkv,
+              bf16* attn, bf16* act, float* att_part, bf16* out, const bf16* __restrict__ cos,
+              const bf16* __restrict__ sin, const int* __restrict__ block_table, const int* __restrict__ seq_len,
+              const int* __restrict__ new_slot,
               unsigned* barrier, long long* clocks, bf16* xs_seen) {
     extern __shared__ __align__(128) char smem[];
     bf16* xs = reinterpret_cast<bf16*>(smem);
@@ -251,30 +254,41 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
     __syncthreads();
     if (tid >= CONSUMERS) {  // the producer warp: every weight chunk of this CTA, in order
         const int lane = tid - CONSUMERS;
-        int i = 0;
-        for (int p = 0; p < layers * 6; p++) {
-            const int* ph = phase_tab + 4 * (p * ctas + cta);
-            const int first = ph[0], n = ph[1];
-            for (int c0 = 0; c0 < n; c0 += 32) {  // the lanes read 32 chunks' entries at once
-                u64 src = 0, meta = 0, shape = 0;
-                if (c0 + lane < n) {
-                    const u64* e = chunks + 3 * (u64)(first + c0 + lane);
-                    src = e[0]; meta = e[1]; shape = e[2];
-                }
-                for (int c = 0; c < min(32, n - c0); c++, i++) {
-                    const u64 s_src = __shfl_sync(0xffffffffu, src, c), s_meta = __shfl_sync(0xffffffffu, meta, c);
-                    const u64 s_shape = __shfl_sync(0xffffffffu, shape, c);
-                    if (lane == 0) {
-                        const int slot = i % DEPTH;
-                        mbar_wait(&empty[slot], ((i / DEPTH) & 1) ^ 1);
-                        slot_meta[2 * slot] = s_meta;
-                        slot_meta[2 * slot + 1] = s_shape;
-                        mbar_expect_tx(&full[slot], (unsigned)(s_meta & 0xffffffffu));
-                        bulk_copy(ring + slot * SLOT, reinterpret_cast<const void*>(s_src),
-                                  (unsigned)(s_meta & 0xffffffffu), &full[slot]);
+        const int total = cta_chunks[cta + 1] - cta_chunks[cta];
+        const u64* mine = chunks + 3 * (u64)cta_chunks[cta];
+        int ahead = 0;  // chunks handed to L2's prefetch so far
+        for (int c0 = 0; c0 < total; c0 += 32) {  // the lanes read 32 chunks' entries at once
+            u64 src = 0, meta = 0, shape = 0;
+            if (c0 + lane < total) {
+                const u64* e = mine + 3 * (c0 + lane);
+                src = e[0]; meta = e[1]; shape = e[2];
+            }
+            for (int c = 0; c < min(32, total - c0); c++) {
+                const int i = c0 + c;
+                // keep L2 PREFETCH chunks ahead of the copies, topped up a quarter at a time
+                const int target = min(total, i + PREFETCH);
+                if (PREFETCH > 0 && ahead < target - PREFETCH / 4) {
+                    for (; ahead < target; ahead += 32) {
+                        const int j = ahead + lane;
+                        if (j < target) {
+                            const u64* e = mine + 3 * j;
+                            prefetch_l2(reinterpret_cast<const void*>(e[0]), (unsigned)(e[1] & 0xffffffffu));
+                        }
                     }
-                    __syncwarp();
+                    ahead = target;
                 }
+                const u64 s_src = __shfl_sync(0xffffffffu, src, c), s_meta = __shfl_sync(0xffffffffu, meta, c);
+                const u64 s_shape = __shfl_sync(0xffffffffu, shape, c);
+                if (lane == 0) {
+                    const int slot = i % DEPTH;
+                    mbar_wait(&empty[slot], ((i / DEPTH) & 1) ^ 1);
+                    slot_meta[2 * slot] = s_meta;
+                    slot_meta[2 * slot + 1] = s_shape;
+                    mbar_expect_tx(&full[slot], (unsigned)(s_meta & 0xffffffffu));
+                    COPY(ring + slot * SLOT, reinterpret_cast<const void*>(s_src), (unsigned)(s_meta & 0xffffffffu),
+                         &full[slot]);
+                }
+                __syncwarp();
             }
         }
         return;
@@ -436,14 +450,16 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ phase_tab,
 """
 
 
-def chunk_tables(layers: list[dict], ctas: int, slot: int = SLOT) -> tuple[np.ndarray, np.ndarray]:
-    """What the producer warp streams: chunks [n, 3] (source address, local row << 32 | bytes, segments << 32 |
-    rows << 16 | first segment) and phases [layers, PHASES, ctas, 4] (first chunk, chunks, first row, end row; for
-    gate-up the rows are features, its gate rows then its up rows). A chunk holds whole rows (up to `slot` bytes) or,
-    for rows longer than a slot, an equal piece of one."""
-    chunks, phases = [], np.zeros((len(layers), PHASES, ctas, 4), dtype=np.int32)
+def chunk_tables(layers: list[dict], ctas: int, slot: int = SLOT) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the producer warps stream: chunks [n, 3] (source address, local row << 32 | bytes, segments << 32 |
+    rows << 16 | first segment), each CTA's in its stream's order and together (from cta_chunks[cta] to
+    cta_chunks[cta + 1]), and phases [layers, PHASES, ctas, 4] (first chunk, chunks, first row, end row; for gate-up
+    the rows are features, its gate rows then its up rows). A chunk holds whole rows (up to `slot` bytes) or, for
+    rows longer than a slot, an equal piece of one."""
+    per_cta: list[list[tuple[int, int, int]]] = [[] for _ in range(ctas)]
+    phases = np.zeros((len(layers), PHASES, ctas, 4), dtype=np.int32)
 
-    def add(weight: torch.Tensor, row_ranges: list[tuple[int, int]]) -> None:
+    def add(chunks: list, weight: torch.Tensor, row_ranges: list[tuple[int, int]]) -> None:
         k = weight.shape[1]
         row_bytes, local = k * 2, 0
         for a, b in row_ranges:
@@ -472,22 +488,27 @@ def chunk_tables(layers: list[dict], ctas: int, slot: int = SLOT) -> tuple[np.nd
         for phase, name, rows in ((0, "qkv_w", QKV), (3, "o_w", HIDDEN), (4, "gate_up_w", INTER),
                                   (5, "down_w", HIDDEN)):
             for c, (a, b) in enumerate(split(rows)):
-                first = len(chunks)
-                add(w[name], [(a, b), (INTER + a, INTER + b)] if name == "gate_up_w" else [(a, b)])
-                phases[li, phase, c] = (first, len(chunks) - first, a, b)
-    return np.array(chunks, dtype=np.uint64).view(np.int64).reshape(-1, 3), phases
+                first = len(per_cta[c])
+                add(per_cta[c], w[name], [(a, b), (INTER + a, INTER + b)] if name == "gate_up_w" else [(a, b)])
+                phases[li, phase, c] = (first, len(per_cta[c]) - first, a, b)
+    cta_chunks = np.cumsum([0] + [len(c) for c in per_cta]).astype(np.int32)
+    phases[..., 0] += cta_chunks[:-1]
+    chunks = np.array([e for c in per_cta for e in c], dtype=np.uint64).view(np.int64).reshape(-1, 3)
+    return chunks, cta_chunks, phases
 
 
 class PersistentTalker:
     """The decoder layers' weights as chunk tables for `talker_layers`, and its launch."""
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, ctas: int, depth: int, splits: int,
-                 page: int, eps: float, no_math: bool = False, consumers: int = CONSUMERS, slot: int = SLOT):
+                 page: int, eps: float, no_math: bool = False, consumers: int = CONSUMERS, slot: int = SLOT,
+                 prefetch_kb: int = 0, evict_first: bool = False):
         dev = final_norm.device
         self.ctas, self.depth, self.splits, self.layers = ctas, depth, splits, layers
         self.final_norm = final_norm
         self.consumers = consumers
-        self.chunks, self.phases = (torch.tensor(t, device=dev) for t in chunk_tables(layers, ctas, slot))
+        self.chunks, self.cta_chunks, self.phases = (torch.tensor(t, device=dev)
+                                                     for t in chunk_tables(layers, ctas, slot))
         self.layer_tab = torch.tensor(np.array([[w["in_norm"].data_ptr(), w["post_norm"].data_ptr(),
                                                  w["qkv_b"].data_ptr(), w["k_cache"].data_ptr(),
                                                  w["v_cache"].data_ptr()] for w in layers],
@@ -502,7 +523,9 @@ class PersistentTalker:
                    f"-DHIDDEN={HIDDEN}", f"-DINTER={INTER}", f"-DATTN={ATTN}", f"-DKV_HEADS={KV_HEADS}",
                    f"-DHEAD_DIM={HEAD_DIM}", f"-DGROUP={Q_HEADS // KV_HEADS}", f"-DSPLITS={splits}",
                    f"-DPAGE={page}", f"-DPART_FLOATS={part_floats}", f"-DEPS={eps!r}f",
-                   f"-DSCALE={1 / math.sqrt(HEAD_DIM)!r}f", "-std=c++17", *(["-DNO_MATH"] if no_math else [])]
+                   f"-DSCALE={1 / math.sqrt(HEAD_DIM)!r}f", f"-DPREFETCH={prefetch_kb * 1024 // slot}",
+                   f"-DCOPY={'bulk_copy_evict_first' if evict_first else 'bulk_copy'}", "-std=c++17",
+                   *(["-DNO_MATH"] if no_math else [])]
         self.kernel = torch.cuda._compile_kernel(SOURCE, "talker_layers", nvcc_options=options)
         if hasattr(self.kernel, "set_shared_memory_config"):
             self.kernel.set_shared_memory_config(self.smem)
@@ -526,8 +549,9 @@ class PersistentTalker:
         (before the final norm); out [HIDDEN] gets the final norm of it."""
         s = self.scratch
         self.kernel(grid=(self.ctas, 1, 1), block=(self.consumers + 32, 1, 1), shared_mem=self.smem,
-                    args=[self.chunks, self.phases, self.layer_tab, len(self.layers), self.final_norm, h, s["qkv"],
-                          s["attn"], s["act"], s["att_part"], out, cos, sin, block_table, seq_len, new_slot,
+                    args=[self.chunks, self.cta_chunks, self.phases, self.layer_tab, len(self.layers),
+                          self.final_norm, h, s["qkv"], s["attn"], s["act"], s["att_part"], out, cos, sin,
+                          block_table, seq_len, new_slot,
                           s["barrier"], s["clocks"], s["xs_seen"]])
 
 
@@ -582,6 +606,9 @@ def main() -> None:
     ap.add_argument("--slot", type=int, default=SLOT, help="bytes a ring slot (whole rows of 896: 1792 each)")
     ap.add_argument("--no-math", action="store_true",
                     help="timing only: GEMV phases stream their weights but skip the arithmetic (wrong results)")
+    ap.add_argument("--prefetch-kb", default="0",
+                    help="how far (KB a CTA) each producer warp keeps L2 prefetches ahead of its copies; a list")
+    ap.add_argument("--evict-first", action="store_true", help="the ring's copies marked evict-first in L2")
     ap.add_argument("--zero", default="", help="debugging: weights set to zero on both sides (o_w, down_w)")
     args = ap.parse_args()
     record = recorder(args.out)
@@ -625,12 +652,13 @@ def main() -> None:
     print(f"# {args.layers} layers, context {ctx}, reference done", flush=True)
     slot_t = torch.tensor([new_slot], device=dev, dtype=torch.int32)
     for ctas in (int(c) for c in args.ctas.split(",")):
-        for depth in (int(d) for d in args.depths.split(",")):
+        for depth, prefetch_kb in itertools.product((int(d) for d in args.depths.split(",")),
+                                                    [int(k) for k in args.prefetch_kb.split(",")]):
             for w, (k, v) in zip(layers, caches, strict=True):  # the cache before the step
                 w["k_cache"].copy_(k)
                 w["v_cache"].copy_(v)
             step = PersistentTalker(layers, final_norm, ctas, depth, args.splits, page, eps, args.no_math,
-                                    args.consumers, args.slot)
+                                    args.consumers, args.slot, prefetch_kb, args.evict_first)
             assert ctx <= step.max_context, (ctx, step.max_context)
             h, out = h0.clone(), torch.empty(HIDDEN, device=dev, dtype=bf)
             step(h, out, cos, sin, block_table, seq_len, slot_t)
@@ -679,7 +707,7 @@ def main() -> None:
             phase_us = {n: [round(float(w) / 1980, 2), round(float(x) / 1980, 2)]
                         for n, w, x in zip(names, work.tolist(), wait.tolist(), strict=True)}
             record(part="persistent_talker", ctas=ctas, depth=depth, no_math=args.no_math, consumers=args.consumers,
-                   slot=args.slot,
+                   slot=args.slot, prefetch_kb=prefetch_kb, evict_first=args.evict_first,
                    cta0_us_work_then_wait=phase_us,
                    splits=args.splits, context=ctx,
                    layers=args.layers, ms_a_step=round(statistics.median(times), 4),
