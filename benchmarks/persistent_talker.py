@@ -76,24 +76,19 @@ __device__ __forceinline__ uint4 ld_v4(const uint4* p) {
 """ + BULK_RING + r"""
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory"); }
 
-// every consumer of every CTA: release what this CTA wrote, acquire what the others did
-__device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* generation, unsigned ctas,
-                                             long long* clock_slot = nullptr) {
+// every consumer of every CTA: release what this CTA wrote, acquire what the others did. One 64-bit counter that
+// only grows: this launch's barrier n is passed once it reaches `target` (base + (n + 1) * ctas). Thread 0's
+// release, after the CTA's bar.sync, publishes the other threads' stores too (release is cumulative), so no
+// thread fences on its own; nothing resets the counter, so no arrival waits on a reset.
+__device__ __forceinline__ void grid_barrier(u64* count, u64 target, long long* clock_slot = nullptr) {
     if (clock_slot != nullptr && threadIdx.x == 0 && blockIdx.x == 0) clock_slot[0] = clock64();  // work done
-    __threadfence();  // each thread's own stores, before thread 0 tells the other CTAs
     consumers_sync();
     if (threadIdx.x == 0) {
-        unsigned seen, old, now;
-        asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(seen) : "l"(generation) : "memory");
-        asm volatile("atom.add.release.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
-        if (old == ctas - 1) {
-            asm volatile("st.relaxed.gpu.u32 [%0], 0;" :: "l"(count) : "memory");
-            asm volatile("atom.add.release.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(generation) : "memory");
-        } else {
-            do {
-                asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(generation) : "memory");
-            } while (now == seen);
-        }
+        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" :: "l"(count) : "memory");
+        u64 now;
+        do {
+            asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(now) : "l"(count) : "memory");
+        } while (now < target);
         if (clock_slot != nullptr && blockIdx.x == 0) clock_slot[1] = clock64();  // everyone arrived
     }
     consumers_sync();
@@ -111,18 +106,34 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return total;
 }
 
-// xs = weight * bf16(h * rsqrt(mean(h^2) + eps)), as transformers' Qwen2RMSNorm in bfloat16
+// xs = weight * bf16(h * rsqrt(mean(h^2) + eps)), as transformers' Qwen2RMSNorm in bfloat16. h comes from L2
+// in one round trip (16 B a thread) into xs, which is then normalised in place.
 __device__ void rms_norm(const bf16* h, const bf16* weight, bf16* xs, float eps, float* red) {
+    if (threadIdx.x < HIDDEN / 8)
+        reinterpret_cast<uint4*>(xs)[threadIdx.x] = ld_v4(reinterpret_cast<const uint4*>(h) + threadIdx.x);
+    consumers_sync();
     float ss = 0.f;
-    for (int k = threadIdx.x; k < HIDDEN; k += CONSUMERS) { const float v = f(ld_bf16(h + k)); ss += v * v; }
+    for (int k = threadIdx.x; k < HIDDEN; k += CONSUMERS) { const float v = f(xs[k]); ss += v * v; }
     const float rstd = rsqrtf(block_sum(ss, red) / HIDDEN + eps);
-    for (int k = threadIdx.x; k < HIDDEN; k += CONSUMERS) xs[k] = b(f(weight[k]) * r(f(ld_bf16(h + k)) * rstd));
+    for (int k = threadIdx.x; k < HIDDEN; k += CONSUMERS) xs[k] = b(f(weight[k]) * r(f(xs[k]) * rstd));
     consumers_sync();
 }
 
+// n values (a multiple of 8, at most INTER) from L2 into xs: every load issued before any is stored, so the
+// vector costs one round trip, not one per 16 B a thread
 __device__ void load_vector(const bf16* src, bf16* xs, int n) {
-    for (int k = threadIdx.x; k < n / 8; k += CONSUMERS)
-        reinterpret_cast<uint4*>(xs)[k] = ld_v4(reinterpret_cast<const uint4*>(src) + k);
+    constexpr int PER = (INTER / 8 + CONSUMERS - 1) / CONSUMERS;
+    uint4 v[PER];
+    #pragma unroll
+    for (int u = 0; u < PER; u++) {
+        const int k = threadIdx.x + u * CONSUMERS;
+        if (k < n / 8) v[u] = ld_v4(reinterpret_cast<const uint4*>(src) + k);
+    }
+    #pragma unroll
+    for (int u = 0; u < PER; u++) {
+        const int k = threadIdx.x + u * CONSUMERS;
+        if (k < n / 8) reinterpret_cast<uint4*>(xs)[k] = v[u];
+    }
     consumers_sync();
 }
 
@@ -220,10 +231,11 @@ __device__ void add_to_residual(bf16* h, const float* part, const int* phase) {
     }
 }
 
-// q or k of one head, rotated as transformers' rotate_half in bfloat16: q*cos + rotate_half(q)*sin
+// q or k of one head (staged in shared memory), rotated as transformers' rotate_half in bfloat16:
+// q*cos + rotate_half(q)*sin
 __device__ __forceinline__ float rotated(const bf16* x, const bf16* cos, const bf16* sin, int d) {
-    const float other = d < HEAD_DIM / 2 ? -f(ld_bf16(x + d + HEAD_DIM / 2)) : f(ld_bf16(x + d - HEAD_DIM / 2));
-    return r(r(f(ld_bf16(x + d)) * f(cos[d])) + r(other * f(sin[d])));
+    const float other = d < HEAD_DIM / 2 ? -f(x[d + HEAD_DIM / 2]) : f(x[d - HEAD_DIM / 2]);
+    return r(r(f(x[d]) * f(cos[d])) + r(other * f(sin[d])));
 }
 
 // tables: layer_tab[layer] = in_norm, post_norm, qkv bias, k cache, v cache (addresses); phase_tab[(layer*6 +
@@ -236,7 +248,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
               bf16* attn, bf16* act, float* att_part, bf16* out, const bf16* __restrict__ cos,
               const bf16* __restrict__ sin, const int* __restrict__ block_table, const int* __restrict__ seq_len,
               const int* __restrict__ new_slot,
-              unsigned* barrier, long long* clocks, bf16* xs_seen) {
+              u64* barrier, long long* clocks, bf16* xs_seen) {
     extern __shared__ __align__(128) char smem[];
     bf16* xs = reinterpret_cast<bf16*>(smem);
     float* part = reinterpret_cast<float*>(smem + INTER * 2);
@@ -245,6 +257,8 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
     __shared__ u64 slot_meta[2 * DEPTH];  // each slot's chunk: (local row << 32 | bytes), shape
     __shared__ float red[32];
     __shared__ float stat[8];
+    __shared__ int pages[MAX_PAGES];  // the sequence's block table
+    __shared__ __align__(16) bf16 staged[(GROUP + 2) * HEAD_DIM];  // attention: a kv group's q, new k and new v
     const int tid = threadIdx.x, cta = blockIdx.x, ctas = gridDim.x;
     const float eps = EPS, scale = SCALE;
     if (tid == 0) {
@@ -294,6 +308,14 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
         return;
     }
     const int ctx = *seq_len, slot_new = *new_slot;
+    // barrier[0] counts every arrival since the buffers were made, barrier[1] the steps before this one
+    u64 steps;
+    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(steps) : "l"(barrier + 1) : "memory");
+    const u64 base = steps * (u64)(layers * PHASES) * ctas;
+    #define SYNC(layer, phase) grid_barrier(barrier, base + (u64)((layer) * PHASES + (phase) + 1) * ctas, \
+                                            clocks + 2 * ((layer) * PHASES + (phase)))
+    for (int j = tid; j < (ctx + PAGE - 1) / PAGE; j += CONSUMERS) pages[j] = block_table[j];
+    consumers_sync();
     int i = 0;
     for (int layer = 0; layer < layers; layer++) {
         const u64* lt = layer_tab + 5 * layer;
@@ -307,7 +329,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
             for (int rr = tid; rr < ph[3] - ph[2]; rr += CONSUMERS)
                 qkv[ph[2] + rr] = b(part[rr] + f(bias[ph[2] + rr]));
         }
-        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 0));
+        SYNC(layer, 0);
         // attention: work items (kv head, split) over the CTAs
         for (int item = cta; item < KV_HEADS * SPLITS; item += ctas) {
             const int g = item / SPLITS, s = item % SPLITS;
@@ -318,13 +340,22 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
             float* sc = vn + HEAD_DIM;             // [GROUP][per] scores, then probabilities
             bf16* kc = reinterpret_cast<bf16*>(lt[3]);
             bf16* vc = reinterpret_cast<bf16*>(lt[4]);
+            {  // the group's queries, new key and new value from L2 in one round trip
+                constexpr int QV = GROUP * HEAD_DIM / 8, KV = HEAD_DIM / 8;
+                const uint4* q = reinterpret_cast<const uint4*>(qkv + g * GROUP * HEAD_DIM);
+                const uint4* k = reinterpret_cast<const uint4*>(qkv + ATTN + g * HEAD_DIM);
+                const uint4* v = reinterpret_cast<const uint4*>(qkv + ATTN + (KV_HEADS + g) * HEAD_DIM);
+                const uint4* src = tid < QV ? q + tid : tid < QV + KV ? k + tid - QV : v + tid - QV - KV;
+                if (tid < QV + 2 * KV) reinterpret_cast<uint4*>(staged)[tid] = ld_v4(src);
+            }
+            consumers_sync();
             for (int idx = tid; idx < GROUP * HEAD_DIM; idx += CONSUMERS)
-                qs[idx] = rotated(qkv + (g * GROUP + idx / HEAD_DIM) * HEAD_DIM, cos, sin, idx % HEAD_DIM);
+                qs[idx] = rotated(staged + (idx / HEAD_DIM) * HEAD_DIM, cos, sin, idx % HEAD_DIM);
             const bool owns_new = start <= ctx - 1 && ctx - 1 < end;
             if (owns_new) {
                 for (int d = tid; d < HEAD_DIM; d += CONSUMERS) {
-                    const float k = rotated(qkv + ATTN + g * HEAD_DIM, cos, sin, d);
-                    const float v = f(ld_bf16(qkv + ATTN + KV_HEADS * HEAD_DIM + g * HEAD_DIM + d));
+                    const float k = rotated(staged + GROUP * HEAD_DIM, cos, sin, d);
+                    const float v = f(staged[(GROUP + 1) * HEAD_DIM + d]);
                     kn[d] = k;
                     vn[d] = v;
                     kc[((u64)slot_new * KV_HEADS + g) * HEAD_DIM + d] = b(k);
@@ -347,7 +378,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
                         v2[e] = __floats2bfloat162_rn(vn[q * 8 + 2 * e], vn[q * 8 + 2 * e + 1]);
                     }
                 } else {
-                    const int page = block_table[j / PAGE];
+                    const int page = pages[j / PAGE];
                     const u64 off = (((u64)page * PAGE + j % PAGE) * KV_HEADS + g) * HEAD_DIM + q * 8;
                     kv = *reinterpret_cast<const uint4*>(kc + off);
                     vv = *reinterpret_cast<const uint4*>(vc + off);
@@ -403,30 +434,35 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
             }
             consumers_sync();  // the next item reuses the shared scratch
         }
-        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 1));
-        // merge the splits: 1536 outputs over the CTAs
+        SYNC(layer, 1);
+        // merge the splits: 1536 outputs over the CTAs, a warp an output, a lane a split (its three values
+        // read at once: one round trip)
         {
-            const int per_cta = (ATTN + ctas - 1) / ctas;
-            for (int idx = cta * per_cta + tid; idx < min(ATTN, (cta + 1) * per_cta); idx += CONSUMERS) {
+            const int per_cta = (ATTN + ctas - 1) / ctas, lane = tid & 31;
+            for (int idx = cta * per_cta + (tid >> 5); idx < min(ATTN, (cta + 1) * per_cta); idx += CONSUMERS / 32) {
                 const int head = idx / HEAD_DIM, d = idx % HEAD_DIM;
-                const float* src = att_part + (u64)head * SPLITS * (HEAD_DIM + 2);
-                float m = -1e30f;
-                for (int s = 0; s < SPLITS; s++) m = fmaxf(m, ld_f32(src + s * (HEAD_DIM + 2)));
-                float l = 0.f, a = 0.f;
-                for (int s = 0; s < SPLITS; s++) {
-                    const float w = __expf(ld_f32(src + s * (HEAD_DIM + 2)) - m);
-                    l += w * ld_f32(src + s * (HEAD_DIM + 2) + 1);
-                    a += w * ld_f32(src + s * (HEAD_DIM + 2) + 2 + d);
+                const float* src = att_part + ((u64)head * SPLITS + lane) * (HEAD_DIM + 2);
+                float ms = -1e30f, ls = 0.f, as = 0.f;
+                if (lane < SPLITS) { ms = ld_f32(src); ls = ld_f32(src + 1); as = ld_f32(src + 2 + d); }
+                float m = ms;
+                #pragma unroll
+                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                const float w = lane < SPLITS ? __expf(ms - m) : 0.f;
+                float l = w * ls, a = w * as;
+                #pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    l += __shfl_xor_sync(0xffffffffu, l, o);
+                    a += __shfl_xor_sync(0xffffffffu, a, o);
                 }
-                attn[idx] = b(a / l);
+                if (lane == 0) attn[idx] = b(a / l);
             }
         }
-        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 2));
+        SYNC(layer, 2);
         // o, then the residual
         load_vector(attn, xs, ATTN);
         i = gemv(slot_meta, ph + 3 * stride, i, xs, part, ATTN / 8, ring, full, empty, red);
         add_to_residual(h, part, ph + 3 * stride);
-        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 3));
+        SYNC(layer, 3);
         // gate-up: RMSNorm, gate rows then up rows of this CTA's features, SiLU(gate) * up
         rms_norm(h, reinterpret_cast<const bf16*>(lt[1]), xs, eps, red);
         if (cta == 0) for (int k = tid; k < HIDDEN; k += CONSUMERS) xs_seen[k] = xs[k];  // the last layer's (checks)
@@ -438,14 +474,17 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
                 act[f0 + rr] = b(r(gate / (1.f + __expf(-gate))) * up);
             }
         }
-        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 4));
+        SYNC(layer, 4);
         // down, then the residual
         load_vector(act, xs, INTER);
         i = gemv(slot_meta, ph + 5 * stride, i, xs, part, INTER / 8, ring, full, empty, red);
         add_to_residual(h, part, ph + 5 * stride);
-        grid_barrier(barrier, barrier + 32, ctas, clocks + 2 * (layer * 6 + 5));
+        SYNC(layer, 5);
     }
-    if (cta == 0) rms_norm(h, final_norm, out, eps, red);
+    if (cta == 0) {
+        rms_norm(h, final_norm, out, eps, red);
+        if (tid == 0) barrier[1] += 1;  // every CTA has read this step's base: it has passed the last barrier
+    }
 }
 """
 
@@ -518,11 +557,13 @@ class PersistentTalker:
         per_split = min((part_floats - (Q_HEADS // KV_HEADS + 2) * HEAD_DIM) // (Q_HEADS // KV_HEADS),
                         INTER // (2 * HEAD_DIM))  # scores in `part`, the slice's keys and values in `xs`
         self.max_context = per_split * splits
+        assert splits <= 32, "the merge gives each split a lane"
         self.smem = INTER * 2 + part_floats * 4 + depth * slot
         options = [f"-DCONSUMERS={consumers}", f"-DDEPTH={depth}", f"-DSLOT={slot}", f"-DSEG={SEG}",
                    f"-DHIDDEN={HIDDEN}", f"-DINTER={INTER}", f"-DATTN={ATTN}", f"-DKV_HEADS={KV_HEADS}",
                    f"-DHEAD_DIM={HEAD_DIM}", f"-DGROUP={Q_HEADS // KV_HEADS}", f"-DSPLITS={splits}",
-                   f"-DPAGE={page}", f"-DPART_FLOATS={part_floats}", f"-DEPS={eps!r}f",
+                   f"-DPAGE={page}", f"-DPART_FLOATS={part_floats}", f"-DPHASES={PHASES}",
+                   f"-DMAX_PAGES={-(-self.max_context // page)}", f"-DEPS={eps!r}f",
                    f"-DSCALE={1 / math.sqrt(HEAD_DIM)!r}f", f"-DPREFETCH={prefetch_kb * 1024 // slot}",
                    f"-DCOPY={'bulk_copy_evict_first' if evict_first else 'bulk_copy'}", "-std=c++17",
                    *(["-DNO_MATH"] if no_math else [])]
@@ -538,7 +579,7 @@ class PersistentTalker:
                         "attn": torch.empty(ATTN, dtype=torch.bfloat16, device=dev),
                         "act": torch.empty(INTER, dtype=torch.bfloat16, device=dev),
                         "att_part": torch.empty(Q_HEADS * splits * (HEAD_DIM + 2), dtype=torch.float32, device=dev),
-                        "barrier": torch.zeros(64, dtype=torch.int32, device=dev),
+                        "barrier": torch.zeros(2, dtype=torch.int64, device=dev),  # arrivals, steps
                         # CTA 0's clock when its work in each phase was done and when every CTA had arrived
                         "clocks": torch.zeros(len(layers) * PHASES * 2, dtype=torch.int64, device=dev),
                         "xs_seen": torch.zeros(HIDDEN, dtype=torch.bfloat16, device=dev)}  # gate-up's input
