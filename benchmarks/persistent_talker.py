@@ -44,6 +44,7 @@ CONSUMERS = 256
 # ring slot (bytes): 16 rows of 896 (two a consumer warp), 9 of 1536, or half a row of 18944. Against 8 rows of 896
 # (14 KB): gate-up 26 -> 17 µs, the step 1.46 -> 1.33 ms (run 32d: fewer waits and arrivals a byte)
 SLOT = 28672
+MAX_ROWS = 64  # a CTA's qkv rows (or rows of h) kept in shared memory: 20 (7) on 132 CTAs
 
 SOURCE = r"""
 #include <cuda_bf16.h>
@@ -74,6 +75,13 @@ __device__ __forceinline__ uint4 ld_v4(const uint4* p) {
 }
 
 """ + BULK_RING + r"""
+// 16 B from global to shared memory without registers; cp.async.wait_all (each thread, then a bar.sync) before
+// reading them
+__device__ __forceinline__ void copy16_async(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void async_copies_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory"); }
 
 // every consumer of every CTA: release what this CTA wrote, acquire what the others did. One 64-bit counter that
@@ -223,12 +231,44 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
     return i;
 }
 
-// h[row] += the phase's row sum (rounded to bfloat16, as a linear's output) for this CTA's rows of the phase
-__device__ void add_to_residual(bf16* h, const float* part, const int* phase) {
+// h[row] += the phase's row sum (rounded to bfloat16, as a linear's output) for this CTA's rows of the phase.
+// o and down give a CTA the same rows of h and no other CTA writes them: the CTA keeps its own copy (own), so
+// the residual needs no read from L2.
+__device__ void add_to_residual(bf16* h, bf16* own, const float* part, const int* phase) {
     for (int rr = threadIdx.x; rr < phase[3] - phase[2]; rr += CONSUMERS) {
-        const int row = phase[2] + rr;
-        h[row] = b(f(ld_bf16(h + row)) + r(part[rr]));
+        const bf16 v = b(f(own[rr]) + r(part[rr]));
+        own[rr] = v;
+        h[phase[2] + rr] = v;
     }
+}
+
+// the item's older keys and values (all but the new one, which this step writes) into ks, vs, copied
+// asynchronously: for a CTA's first item they are issued before the barrier attention waits behind
+__device__ void fetch_old_kv(int item, int ctx, const bf16* kc, const bf16* vc, const int* pages, bf16* xs) {
+    const int g = item / SPLITS, s = item % SPLITS;
+    const int per = (ctx + SPLITS - 1) / SPLITS, start = s * per, end = min(start + per, ctx);
+    bf16* ks = xs;
+    bf16* vs = xs + per * HEAD_DIM;
+    for (int idx = threadIdx.x; idx < (end - start) * 16; idx += CONSUMERS) {
+        const int key = idx >> 4, q = idx & 15, j = start + key;
+        if (j == ctx - 1) continue;
+        const u64 off = (((u64)pages[j / PAGE] * PAGE + j % PAGE) * KV_HEADS + g) * HEAD_DIM + q * 8;
+        copy16_async(ks + idx * 8, kc + off);
+        copy16_async(vs + idx * 8, vc + off);
+    }
+}
+
+// a layer's norm weights (into shared memory, asynchronously) and this CTA's qkv bias rows (returned, one a
+// thread): no CTA writes them, so they are fetched while the layer before still streams
+__device__ float fetch_layer_params(const u64* lt, const int* qkv_phase, bf16* norm_in, bf16* norm_post) {
+    if (threadIdx.x < HIDDEN / 8)
+        copy16_async(reinterpret_cast<uint4*>(norm_in) + threadIdx.x,
+                     reinterpret_cast<const uint4*>(lt[0]) + threadIdx.x);
+    else if (threadIdx.x < HIDDEN / 4)
+        copy16_async(reinterpret_cast<uint4*>(norm_post) + threadIdx.x - HIDDEN / 8,
+                     reinterpret_cast<const uint4*>(lt[1]) + threadIdx.x - HIDDEN / 8);
+    const int rows = qkv_phase[3] - qkv_phase[2];
+    return threadIdx.x < rows ? f(reinterpret_cast<const bf16*>(lt[2])[qkv_phase[2] + threadIdx.x]) : 0.f;
 }
 
 // q or k of one head (staged in shared memory), rotated as transformers' rotate_half in bfloat16:
@@ -259,6 +299,10 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
     __shared__ float stat[8];
     __shared__ int pages[MAX_PAGES];  // the sequence's block table
     __shared__ __align__(16) bf16 staged[(GROUP + 2) * HEAD_DIM];  // attention: a kv group's q, new k and new v
+    __shared__ __align__(16) bf16 norm_in[HIDDEN], norm_post[HIDDEN];  // the layer's norm weights
+    __shared__ float qkv_bias[MAX_ROWS];  // the layer's bias for this CTA's qkv rows
+    __shared__ bf16 rope[2 * HEAD_DIM];   // cos, sin
+    __shared__ bf16 own[MAX_ROWS];        // this CTA's rows of h (o's and down's)
     const int tid = threadIdx.x, cta = blockIdx.x, ctas = gridDim.x;
     const float eps = EPS, scale = SCALE;
     if (tid == 0) {
@@ -315,20 +359,29 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
     #define SYNC(layer, phase) grid_barrier(barrier, base + (u64)((layer) * PHASES + (phase) + 1) * ctas, \
                                             clocks + 2 * ((layer) * PHASES + (phase)))
     for (int j = tid; j < (ctx + PAGE - 1) / PAGE; j += CONSUMERS) pages[j] = block_table[j];
-    consumers_sync();
+    for (int d = tid; d < HEAD_DIM; d += CONSUMERS) { rope[d] = cos[d]; rope[HEAD_DIM + d] = sin[d]; }
+    {
+        const int* own_phase = phase_tab + 4 * (3 * ctas + cta);  // layer 0's o: the same rows as every o and down
+        for (int rr = tid; rr < own_phase[3] - own_phase[2]; rr += CONSUMERS) own[rr] = h[own_phase[2] + rr];
+        const float bias = fetch_layer_params(layer_tab, phase_tab + 4 * cta, norm_in, norm_post);
+        if (tid < MAX_ROWS) qkv_bias[tid] = bias;
+    }
+    const bf16* cs = rope;
+    const bf16* sn = rope + HEAD_DIM;
     int i = 0;
     for (int layer = 0; layer < layers; layer++) {
         const u64* lt = layer_tab + 5 * layer;
         const int* ph = phase_tab + 4 * (layer * 6 * ctas + cta);
         const int stride = 4 * ctas;  // from one phase's entry of this CTA to the next phase's
         // qkv: RMSNorm, then this CTA's rows with their bias
-        rms_norm(h, reinterpret_cast<const bf16*>(lt[0]), xs, eps, red);
+        async_copies_wait();  // this layer's norm weights
+        consumers_sync();
+        rms_norm(h, norm_in, xs, eps, red);
         i = gemv(slot_meta, ph, i, xs, part, HIDDEN / 8, ring, full, empty, red);
-        {
-            const bf16* bias = reinterpret_cast<const bf16*>(lt[2]);
-            for (int rr = tid; rr < ph[3] - ph[2]; rr += CONSUMERS)
-                qkv[ph[2] + rr] = b(part[rr] + f(bias[ph[2] + rr]));
-        }
+        if (cta < KV_HEADS * SPLITS)  // xs is free: attention's older keys and values load during the barrier
+            fetch_old_kv(cta, ctx, reinterpret_cast<const bf16*>(lt[3]), reinterpret_cast<const bf16*>(lt[4]), pages,
+                         xs);
+        for (int rr = tid; rr < ph[3] - ph[2]; rr += CONSUMERS) qkv[ph[2] + rr] = b(part[rr] + qkv_bias[rr]);
         SYNC(layer, 0);
         // attention: work items (kv head, split) over the CTAs
         for (int item = cta; item < KV_HEADS * SPLITS; item += ctas) {
@@ -350,11 +403,11 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
             }
             consumers_sync();
             for (int idx = tid; idx < GROUP * HEAD_DIM; idx += CONSUMERS)
-                qs[idx] = rotated(staged + (idx / HEAD_DIM) * HEAD_DIM, cos, sin, idx % HEAD_DIM);
+                qs[idx] = rotated(staged + (idx / HEAD_DIM) * HEAD_DIM, cs, sn, idx % HEAD_DIM);
             const bool owns_new = start <= ctx - 1 && ctx - 1 < end;
             if (owns_new) {
                 for (int d = tid; d < HEAD_DIM; d += CONSUMERS) {
-                    const float k = rotated(staged + GROUP * HEAD_DIM, cos, sin, d);
+                    const float k = rotated(staged + GROUP * HEAD_DIM, cs, sn, d);
                     const float v = f(staged[(GROUP + 1) * HEAD_DIM + d]);
                     kn[d] = k;
                     vn[d] = v;
@@ -363,28 +416,18 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
                 }
             }
             consumers_sync();
-            // the slice's keys and values into shared memory (xs is free until o): a row of 16 uint4 each
+            // the slice's keys and values in shared memory (xs is free until o): the older ones copied since
+            // before the barrier (a later item's now), the new one from kn, vn
+            if (item != cta) fetch_old_kv(item, ctx, kc, vc, pages, xs);
+            async_copies_wait();
             bf16* ks = xs;
             bf16* vs = xs + per * HEAD_DIM;
-            for (int idx = tid; idx < (end - start) * 16; idx += CONSUMERS) {
-                const int key = idx >> 4, q = idx & 15, j = start + key;
-                uint4 kv, vv;
-                if (j == ctx - 1) {
-                    __nv_bfloat162* k2 = reinterpret_cast<__nv_bfloat162*>(&kv);
-                    __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(&vv);
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        k2[e] = __floats2bfloat162_rn(kn[q * 8 + 2 * e], kn[q * 8 + 2 * e + 1]);
-                        v2[e] = __floats2bfloat162_rn(vn[q * 8 + 2 * e], vn[q * 8 + 2 * e + 1]);
-                    }
-                } else {
-                    const int page = pages[j / PAGE];
-                    const u64 off = (((u64)page * PAGE + j % PAGE) * KV_HEADS + g) * HEAD_DIM + q * 8;
-                    kv = *reinterpret_cast<const uint4*>(kc + off);
-                    vv = *reinterpret_cast<const uint4*>(vc + off);
+            if (owns_new) {
+                const int key = ctx - 1 - start;
+                for (int d = tid; d < HEAD_DIM; d += CONSUMERS) {
+                    ks[key * HEAD_DIM + d] = b(kn[d]);
+                    vs[key * HEAD_DIM + d] = b(vn[d]);
                 }
-                reinterpret_cast<uint4*>(ks)[idx] = kv;
-                reinterpret_cast<uint4*>(vs)[idx] = vv;
             }
             consumers_sync();
             const int lane = tid & 31, warp = tid >> 5;
@@ -461,10 +504,10 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
         // o, then the residual
         load_vector(attn, xs, ATTN);
         i = gemv(slot_meta, ph + 3 * stride, i, xs, part, ATTN / 8, ring, full, empty, red);
-        add_to_residual(h, part, ph + 3 * stride);
+        add_to_residual(h, own, part, ph + 3 * stride);
         SYNC(layer, 3);
         // gate-up: RMSNorm, gate rows then up rows of this CTA's features, SiLU(gate) * up
-        rms_norm(h, reinterpret_cast<const bf16*>(lt[1]), xs, eps, red);
+        rms_norm(h, norm_post, xs, eps, red);
         if (cta == 0) for (int k = tid; k < HIDDEN; k += CONSUMERS) xs_seen[k] = xs[k];  // the last layer's (checks)
         i = gemv(slot_meta, ph + 4 * stride, i, xs, part, HIDDEN / 8, ring, full, empty, red);
         {
@@ -475,10 +518,12 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
             }
         }
         SYNC(layer, 4);
-        // down, then the residual
+        // down, then the residual; the next layer's norm weights and bias arrive meanwhile (this layer's are used)
+        const float bias = layer + 1 < layers ? fetch_layer_params(lt + 5, ph + 6 * stride, norm_in, norm_post) : 0.f;
         load_vector(act, xs, INTER);
         i = gemv(slot_meta, ph + 5 * stride, i, xs, part, INTER / 8, ring, full, empty, red);
-        add_to_residual(h, part, ph + 5 * stride);
+        if (tid < MAX_ROWS) qkv_bias[tid] = bias;
+        add_to_residual(h, own, part, ph + 5 * stride);
         SYNC(layer, 5);
     }
     if (cta == 0) {
@@ -558,12 +603,16 @@ class PersistentTalker:
                         INTER // (2 * HEAD_DIM))  # scores in `part`, the slice's keys and values in `xs`
         self.max_context = per_split * splits
         assert splits <= 32, "the merge gives each split a lane"
+        assert -(-QKV // ctas) <= MAX_ROWS and -(-HIDDEN // ctas) <= MAX_ROWS, "rows a CTA keeps in shared memory"
+        o_rows, down_rows = self.phases[:, 3, :, 2:].cpu(), self.phases[:, 5, :, 2:].cpu()
+        assert torch.equal(o_rows, down_rows) and torch.equal(o_rows, o_rows[:1].expand_as(o_rows)), \
+            "a CTA's rows of h are the same in o and down, every layer (it keeps its own copy)"
         self.smem = INTER * 2 + part_floats * 4 + depth * slot
         options = [f"-DCONSUMERS={consumers}", f"-DDEPTH={depth}", f"-DSLOT={slot}", f"-DSEG={SEG}",
                    f"-DHIDDEN={HIDDEN}", f"-DINTER={INTER}", f"-DATTN={ATTN}", f"-DKV_HEADS={KV_HEADS}",
                    f"-DHEAD_DIM={HEAD_DIM}", f"-DGROUP={Q_HEADS // KV_HEADS}", f"-DSPLITS={splits}",
                    f"-DPAGE={page}", f"-DPART_FLOATS={part_floats}", f"-DPHASES={PHASES}",
-                   f"-DMAX_PAGES={-(-self.max_context // page)}", f"-DEPS={eps!r}f",
+                   f"-DMAX_PAGES={-(-self.max_context // page)}", f"-DMAX_ROWS={MAX_ROWS}", f"-DEPS={eps!r}f",
                    f"-DSCALE={1 / math.sqrt(HEAD_DIM)!r}f", f"-DPREFETCH={prefetch_kb * 1024 // slot}",
                    f"-DCOPY={'bulk_copy_evict_first' if evict_first else 'bulk_copy'}", "-std=c++17",
                    *(["-DNO_MATH"] if no_math else [])]
