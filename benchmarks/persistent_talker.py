@@ -127,21 +127,11 @@ __device__ void rms_norm(const bf16* h, const bf16* weight, bf16* xs, float eps,
     consumers_sync();
 }
 
-// n values (a multiple of 8, at most INTER) from L2 into xs: every load issued before any is stored, so the
-// vector costs one round trip, not one per 16 B a thread
+// n values (a multiple of 8) from L2 into xs, every 16 B copied asynchronously (L2 only, .cg): one round trip
 __device__ void load_vector(const bf16* src, bf16* xs, int n) {
-    constexpr int PER = (INTER / 8 + CONSUMERS - 1) / CONSUMERS;
-    uint4 v[PER];
-    #pragma unroll
-    for (int u = 0; u < PER; u++) {
-        const int k = threadIdx.x + u * CONSUMERS;
-        if (k < n / 8) v[u] = ld_v4(reinterpret_cast<const uint4*>(src) + k);
-    }
-    #pragma unroll
-    for (int u = 0; u < PER; u++) {
-        const int k = threadIdx.x + u * CONSUMERS;
-        if (k < n / 8) reinterpret_cast<uint4*>(xs)[k] = v[u];
-    }
+    for (int k = threadIdx.x; k < n / 8; k += CONSUMERS)
+        copy16_async(reinterpret_cast<uint4*>(xs) + k, reinterpret_cast<const uint4*>(src) + k);
+    async_copies_wait();
     consumers_sync();
 }
 
@@ -258,17 +248,19 @@ __device__ void fetch_old_kv(int item, int ctx, const bf16* kc, const bf16* vc, 
     }
 }
 
-// a layer's norm weights (into shared memory, asynchronously) and this CTA's qkv bias rows (returned, one a
-// thread): no CTA writes them, so they are fetched while the layer before still streams
-__device__ float fetch_layer_params(const u64* lt, const int* qkv_phase, bf16* norm_in, bf16* norm_post) {
-    if (threadIdx.x < HIDDEN / 8)
-        copy16_async(reinterpret_cast<uint4*>(norm_in) + threadIdx.x,
-                     reinterpret_cast<const uint4*>(lt[0]) + threadIdx.x);
-    else if (threadIdx.x < HIDDEN / 4)
-        copy16_async(reinterpret_cast<uint4*>(norm_post) + threadIdx.x - HIDDEN / 8,
-                     reinterpret_cast<const uint4*>(lt[1]) + threadIdx.x - HIDDEN / 8);
-    const int rows = qkv_phase[3] - qkv_phase[2];
-    return threadIdx.x < rows ? f(reinterpret_cast<const bf16*>(lt[2])[qkv_phase[2] + threadIdx.x]) : 0.f;
+// a layer's norm weights and the 16-byte blocks holding this CTA's qkv bias rows into shared memory,
+// asynchronously: no CTA writes them, so they are fetched while the layer before still streams
+__device__ void fetch_layer_params(const u64* lt, const int* qkv_phase, bf16* norm_in, bf16* norm_post,
+                                   bf16* bias) {
+    const int t = threadIdx.x, first = qkv_phase[2] / 8, blocks = (qkv_phase[3] + 7) / 8 - first;
+    if (t < HIDDEN / 8)
+        copy16_async(reinterpret_cast<uint4*>(norm_in) + t, reinterpret_cast<const uint4*>(lt[0]) + t);
+    else if (t < HIDDEN / 4)
+        copy16_async(reinterpret_cast<uint4*>(norm_post) + t - HIDDEN / 8,
+                     reinterpret_cast<const uint4*>(lt[1]) + t - HIDDEN / 8);
+    else if (t < HIDDEN / 4 + blocks)
+        copy16_async(reinterpret_cast<uint4*>(bias) + t - HIDDEN / 4,
+                     reinterpret_cast<const uint4*>(lt[2]) + first + t - HIDDEN / 4);
 }
 
 // q or k of one head (staged in shared memory), rotated as transformers' rotate_half in bfloat16:
@@ -300,7 +292,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
     __shared__ int pages[MAX_PAGES];  // the sequence's block table
     __shared__ __align__(16) bf16 staged[(GROUP + 2) * HEAD_DIM];  // attention: a kv group's q, new k and new v
     __shared__ __align__(16) bf16 norm_in[HIDDEN], norm_post[HIDDEN];  // the layer's norm weights
-    __shared__ float qkv_bias[MAX_ROWS];  // the layer's bias for this CTA's qkv rows
+    __shared__ __align__(16) bf16 qkv_bias[MAX_ROWS + 16];  // the layer's bias: the blocks with this CTA's rows
     __shared__ bf16 rope[2 * HEAD_DIM];   // cos, sin
     __shared__ bf16 own[MAX_ROWS];        // this CTA's rows of h (o's and down's)
     const int tid = threadIdx.x, cta = blockIdx.x, ctas = gridDim.x;
@@ -363,8 +355,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
     {
         const int* own_phase = phase_tab + 4 * (3 * ctas + cta);  // layer 0's o: the same rows as every o and down
         for (int rr = tid; rr < own_phase[3] - own_phase[2]; rr += CONSUMERS) own[rr] = h[own_phase[2] + rr];
-        const float bias = fetch_layer_params(layer_tab, phase_tab + 4 * cta, norm_in, norm_post);
-        if (tid < MAX_ROWS) qkv_bias[tid] = bias;
+        fetch_layer_params(layer_tab, phase_tab + 4 * cta, norm_in, norm_post, qkv_bias);
     }
     const bf16* cs = rope;
     const bf16* sn = rope + HEAD_DIM;
@@ -381,7 +372,8 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
         if (cta < KV_HEADS * SPLITS)  // xs is free: attention's older keys and values load during the barrier
             fetch_old_kv(cta, ctx, reinterpret_cast<const bf16*>(lt[3]), reinterpret_cast<const bf16*>(lt[4]), pages,
                          xs);
-        for (int rr = tid; rr < ph[3] - ph[2]; rr += CONSUMERS) qkv[ph[2] + rr] = b(part[rr] + qkv_bias[rr]);
+        for (int rr = tid; rr < ph[3] - ph[2]; rr += CONSUMERS)
+            qkv[ph[2] + rr] = b(part[rr] + f(qkv_bias[ph[2] % 8 + rr]));
         SYNC(layer, 0);
         // attention: work items (kv head, split) over the CTAs
         for (int item = cta; item < KV_HEADS * SPLITS; item += ctas) {
@@ -519,10 +511,9 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
         }
         SYNC(layer, 4);
         // down, then the residual; the next layer's norm weights and bias arrive meanwhile (this layer's are used)
-        const float bias = layer + 1 < layers ? fetch_layer_params(lt + 5, ph + 6 * stride, norm_in, norm_post) : 0.f;
+        if (layer + 1 < layers) fetch_layer_params(lt + 5, ph + 6 * stride, norm_in, norm_post, qkv_bias);
         load_vector(act, xs, INTER);
         i = gemv(slot_meta, ph + 5 * stride, i, xs, part, INTER / 8, ring, full, empty, red);
-        if (tid < MAX_ROWS) qkv_bias[tid] = bias;
         add_to_residual(h, own, part, ph + 5 * stride);
         SYNC(layer, 5);
     }
