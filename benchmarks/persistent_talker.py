@@ -162,6 +162,7 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint4* xv = reinterpret_cast<const uint4*>(xs);
     float acc4[4] = {0.f, 0.f, 0.f, 0.f};  // long rows: this thread's running sums over the row's pieces
+    float next4[4] = {0.f, 0.f, 0.f, 0.f};  // and over the next row's, where a slot runs past a row's end
     for (int c = 0; c < n; c++, i++) {
         const int slot = i % DEPTH;
         mbar_wait(&full[slot], (i / DEPTH) & 1);
@@ -169,7 +170,7 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
         const int row0 = (int)(meta >> 32), seg0 = (int)(shape & 0xffff), rows = (int)((shape >> 16) & 0xffff);
         const int segs = (int)((shape >> 32) & 0xffff);
         const uint4* wv = reinterpret_cast<const uint4*>(ring + slot * SLOT);
-        const bool whole = segs * SEG == row_vecs * 8;
+        const bool whole = segs * SEG == row_vecs * 8 && seg0 == 0;
 #ifdef NO_MATH  // timing only: the ring's traffic without the consumers' arithmetic
         if (false) {
 #else
@@ -194,27 +195,32 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
                 for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
                 if (lane == 0) part[row0 + rr] = v;
             }
-        } else if (!NO_MATH_ON) {
-            const int piece_vecs = segs * SEG / 8;
-            const uint4* xp = xv + seg0 * SEG / 8;
+        } else if (!NO_MATH_ON) {  // a slot of a long row, maybe running into the next one (at most one end)
+            const int piece_vecs = segs * SEG / 8, col0 = seg0 * SEG / 8;
             for (int q0 = threadIdx.x; q0 < piece_vecs; q0 += 4 * CONSUMERS) {
                 uint4 w4[4], x4[4];
                 #pragma unroll
                 for (int u = 0; u < 4; u++) {
-                    const int q = q0 + CONSUMERS * u;
-                    if (q < piece_vecs) { w4[u] = wv[q]; x4[u] = xp[q]; }
+                    const int q = q0 + CONSUMERS * u, col = col0 + q;
+                    if (q < piece_vecs) { w4[u] = wv[q]; x4[u] = xv[col < row_vecs ? col : col - row_vecs]; }
                 }
                 #pragma unroll
-                for (int u = 0; u < 4; u++)
-                    if (q0 + CONSUMERS * u < piece_vecs) acc4[u] = dot8(w4[u], x4[u], acc4[u]);
+                for (int u = 0; u < 4; u++) {
+                    const int q = q0 + CONSUMERS * u;
+                    if (q < piece_vecs) {
+                        if (col0 + q < row_vecs) acc4[u] = dot8(w4[u], x4[u], acc4[u]);
+                        else next4[u] = dot8(w4[u], x4[u], next4[u]);
+                    }
+                }
             }
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
-        if (!whole && (seg0 + segs) * SEG == row_vecs * 8) {  // the row's last piece
+        if (!whole && (seg0 + segs) * SEG >= row_vecs * 8) {  // the slot ends row0: its sum, then the next row's
             const float v = block_sum((acc4[0] + acc4[1]) + (acc4[2] + acc4[3]), red);
             if (threadIdx.x == 0) part[row0] = v;
-            acc4[0] = acc4[1] = acc4[2] = acc4[3] = 0.f;
+            #pragma unroll
+            for (int u = 0; u < 4; u++) { acc4[u] = next4[u]; next4[u] = 0.f; }
         }
     }
     consumers_sync();
@@ -530,7 +536,8 @@ def chunk_tables(layers: list[dict], ctas: int, slot: int = SLOT) -> tuple[np.nd
     rows << 16 | first segment), each CTA's in its stream's order and together (from cta_chunks[cta] to
     cta_chunks[cta + 1]), and phases [layers, PHASES, ctas, 4] (first chunk, chunks, first row, end row; for gate-up
     the rows are features, its gate rows then its up rows). A chunk holds whole rows (up to `slot` bytes) or, for
-    rows longer than a slot, an equal piece of one."""
+    rows longer than a slot, `slot` bytes of the CTA's rows (one range in memory), running across row ends: full
+    slots (down's rows of 37 KB in 28 KB slots, not halves of 18.5 KB)."""
     per_cta: list[list[tuple[int, int, int]]] = [[] for _ in range(ctas)]
     phases = np.zeros((len(layers), PHASES, ctas, 4), dtype=np.int32)
 
@@ -544,15 +551,13 @@ def chunk_tables(layers: list[dict], ctas: int, slot: int = SLOT) -> tuple[np.nd
                     n = min(per, b - r0)
                     chunks.append((weight.data_ptr() + r0 * row_bytes, (local + r0 - a) << 32 | n * row_bytes,
                                    (k // SEG) << 32 | n << 16))
-            else:
-                pieces = -(-row_bytes // slot)
-                while (k // SEG) % pieces:
-                    pieces += 1
-                segs = k // SEG // pieces
-                for row in range(a, b):
-                    for p in range(pieces):
-                        chunks.append((weight.data_ptr() + row * row_bytes + p * segs * SEG * 2,
-                                       (local + row - a) << 32 | segs * SEG * 2, segs << 32 | 1 << 16 | p * segs))
+            else:  # the CTA's rows are one range in memory: slots of it, running across row ends
+                seg_bytes, total = SEG * 2, (b - a) * row_bytes
+                assert slot % seg_bytes == 0 and row_bytes % seg_bytes == 0 and slot < row_bytes
+                for off in range(0, total, slot):
+                    n, (row, col) = min(slot, total - off), divmod(off, row_bytes)
+                    chunks.append((weight.data_ptr() + a * row_bytes + off, (local + row) << 32 | n,
+                                   (n // seg_bytes) << 32 | 1 << 16 | col // seg_bytes))
             local += b - a
 
     def split(n: int) -> list[tuple[int, int]]:
