@@ -30,6 +30,7 @@ import math
 import statistics
 
 import numpy as np
+import stand_in
 import torch
 import torch.nn.functional as F
 from persistent_step import BULK_RING
@@ -679,6 +680,29 @@ def reference(h: torch.Tensor, layers: list[dict], final_norm: torch.Tensor, cos
     return norm(h, final_norm), h
 
 
+def beside_solve(talker: torch.cuda.CUDAGraph, reps: int) -> dict:
+    """Ten talker steps (the graph) beside stand_in's matmuls on a stream of their own, replayed back to back:
+    whether a kernel holding every SM's shared memory lets a solve run at all. ms a talker step and a pass of
+    the matmuls, each alone and beside the other."""
+    side, main_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    solve = stand_in.solve_graph(side)
+    start, end = stand_in.replay(side, solve, 3)
+    torch.cuda.synchronize()
+    pass_alone = start.elapsed_time(end) / 3 / stand_in.PASSES
+    start, end = stand_in.replay(main_stream, talker, reps)
+    torch.cuda.synchronize()
+    step_alone = start.elapsed_time(end) / reps / 10
+    n = max(1, round(reps * 10 * step_alone / (stand_in.PASSES * pass_alone)))  # as long as the talker's run
+    solve_start, solve_end = stand_in.replay(side, solve, n)
+    start, end = stand_in.replay(main_stream, talker, reps)
+    torch.cuda.synchronize()
+    return {"beside": {"talker_ms_a_step_alone": round(step_alone, 4),
+                       "talker_ms_a_step_beside": round(start.elapsed_time(end) / reps / 10, 4),
+                       "solve_pass_ms_alone": round(pass_alone, 4),
+                       "solve_pass_ms_beside": round(solve_start.elapsed_time(solve_end) / n / stand_in.PASSES, 4),
+                       "solve_passes": n * stand_in.PASSES}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -695,6 +719,8 @@ def main() -> None:
     ap.add_argument("--prefetch-kb", default="0",
                     help="how far (KB a CTA) each producer warp keeps L2 prefetches ahead of its copies; a list")
     ap.add_argument("--evict-first", action="store_true", help="the ring's copies marked evict-first in L2")
+    ap.add_argument("--beside-solve", action="store_true",
+                    help="also time the steps beside a stand-in for token2wav's solve (DiT-shaped cuBLAS matmuls)")
     ap.add_argument("--zero", default="", help="debugging: weights set to zero on both sides (o_w, down_w)")
     args = ap.parse_args()
     record = recorder(args.out)
@@ -785,6 +811,7 @@ def main() -> None:
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) / 10)
+            beside = beside_solve(graph, args.reps) if args.beside_solve else {}
             clocks = step.scratch["clocks"].view(-1, PHASES, 2).double().cpu()  # the last step's
             starts = torch.cat([clocks[:1, 0, 1] - 0, clocks.view(-1, 2)[:-1, 1]])  # previous phase's release
             work = (clocks.view(-1, 2)[:, 0] - starts).view(-1, PHASES)[1:].mean(0)  # layer 0 has no start
@@ -800,7 +827,7 @@ def main() -> None:
                    ms_min=round(min(times), 4), rel_err_out=f"{err:.2e}",
                    rel_err_out_vs_float32=f"{err32:.2e}", hf_bfloat16_vs_float32=f"{bf16_err:.2e}",
                    rel_err_hidden=f"{err_h:.2e}",
-                   max_err_new_keys=f"{err_k:.2e}", same_bits_twice=same, smem_kb=step.smem // 1024)
+                   max_err_new_keys=f"{err_k:.2e}", same_bits_twice=same, smem_kb=step.smem // 1024, **beside)
 
 
 if __name__ == "__main__":

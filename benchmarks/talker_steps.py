@@ -20,6 +20,7 @@ import pstats
 import time
 from pathlib import Path
 
+import stand_in
 import torch
 from omni_qwen2_5 import checkpoint_path
 from recording import recorder
@@ -47,7 +48,7 @@ def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: Sa
 
 
 def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool = False,
-        kernel_profile: bool = False, eager: bool = False, burst: int = 1) -> None:
+        kernel_profile: bool = False, eager: bool = False, burst: int = 1, beside_solve: bool = False) -> None:
     family, info = detect_family(path)
     deploy = load_deploy_config({"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
                                                        "overlap_sampled": overlap_sampled, "decode_burst": burst,
@@ -68,6 +69,9 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
             if kernel_profile and wave == "measured":
                 print_kernel_profile(engine, batch, sync)
             profiler = cProfile.Profile() if host_profile and wave == "measured" else None
+            solve = None
+            if beside_solve and wave == "measured":  # stand_in's matmuls, queued for about the talker's run
+                solve = beside(codes * batch * 1.2)
             steps, drawn, start = 0, 0, time.perf_counter()
             if profiler:
                 profiler.enable()
@@ -83,9 +87,23 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
         record(part="talker_steps", batch=batch, codes=codes, overlap_sampled=overlap_sampled, decode_burst=burst,
                eager=eager, steps=steps, ms_per_step=round(1000 * seconds / max(steps, 1), 3),
                ms_per_code=round(1000 * seconds * batch / max(drawn, 1), 3),
-               overlapped_steps=engine.num_overlapped_steps, burst_steps=engine.num_burst_steps)
+               overlapped_steps=engine.num_overlapped_steps, burst_steps=engine.num_burst_steps,
+               **({"solve_pass_ms_alone": solve["alone"], "solve_pass_ms_beside": solve["beside"]()} if solve else {}))
     finally:
         engine.shutdown()
+
+
+def beside(ms: float) -> dict:
+    """stand_in's solve graph replayed back to back on a stream of its own for about `ms`: its pass time alone,
+    and a function giving its pass time over the replays queued now (call it once they are done)."""
+    side = torch.cuda.Stream()
+    graph = stand_in.solve_graph(side)
+    start, end = stand_in.replay(side, graph, 3)
+    torch.cuda.synchronize()
+    alone = start.elapsed_time(end) / 3 / stand_in.PASSES
+    n = max(1, round(ms / (alone * stand_in.PASSES)))
+    start, end = stand_in.replay(side, graph, n)
+    return {"alone": round(alone, 4), "beside": lambda: round(start.elapsed_time(end) / n / stand_in.PASSES, 4)}
 
 
 def print_kernel_profile(engine, batch: int, sync, steps: int = 20) -> None:
@@ -115,6 +133,8 @@ def main() -> None:
     ap.add_argument("--kernel-profile", action="store_true", help="a table of device time by kernel over 20 steps")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (each kernel keeps its op's name)")
     ap.add_argument("--bursts", default="1", help="decode_burst values to run (steps with overlap_sampled)")
+    ap.add_argument("--beside-solve", action="store_true",
+                    help="the measured wave beside stand_in.py's DiT-shaped matmuls on a stream of their own")
     args = ap.parse_args()
 
     record = recorder(args.out)
@@ -124,7 +144,7 @@ def main() -> None:
         for burst in (int(b) for b in args.bursts.split(",")):
             for overlap_sampled in (True,) if burst > 1 or args.kernel_profile else (False, True):
                 run(path, batch, args.codes, overlap_sampled, record, args.host_profile, args.kernel_profile,
-                    args.eager, burst)
+                    args.eager, burst, args.beside_solve)
 
 
 if __name__ == "__main__":
