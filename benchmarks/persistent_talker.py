@@ -158,7 +158,10 @@ __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc)
 // chunk holds whole rows): a warp a row. Long rows (a chunk holds a piece of one): each thread keeps a running
 // sum over the row's pieces, summed across the block after its last one. Returns the ring position after.
 __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* xs, float* part, int row_vecs,
-                    const char* ring, u64* full, u64* empty, float* red) {
+                    const char* ring, u64* full, u64* empty, float* red, long long* stats) {
+    // stats (CTA 0's thread 0, summed over the layers): clocks waiting for a full slot, then working on it
+    const bool timed = blockIdx.x == 0 && threadIdx.x == 0;
+    long long waited = 0, worked = 0, t = timed ? clock64() : 0;
     const int n = phase[1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint4* xv = reinterpret_cast<const uint4*>(xs);
@@ -167,6 +170,7 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
     for (int c = 0; c < n; c++, i++) {
         const int slot = i % DEPTH;
         mbar_wait(&full[slot], (i / DEPTH) & 1);
+        if (timed) { const long long now = clock64(); waited += now - t; t = now; }
         const u64 meta = slot_meta[2 * slot], shape = slot_meta[2 * slot + 1];
         const int row0 = (int)(meta >> 32), seg0 = (int)(shape & 0xffff), rows = (int)((shape >> 16) & 0xffff);
         const int segs = (int)((shape >> 32) & 0xffff);
@@ -217,6 +221,7 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
+        if (timed) { const long long now = clock64(); worked += now - t; t = now; }
         if (!whole && (seg0 + segs) * SEG >= row_vecs * 8) {  // the slot ends row0: its sum, then the next row's
             const float v = block_sum((acc4[0] + acc4[1]) + (acc4[2] + acc4[3]), red);
             if (threadIdx.x == 0) part[row0] = v;
@@ -224,6 +229,7 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
             for (int u = 0; u < 4; u++) { acc4[u] = next4[u]; next4[u] = 0.f; }
         }
     }
+    if (timed) { stats[0] += waited; stats[1] += worked; }
     consumers_sync();
     return i;
 }
@@ -287,7 +293,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
               bf16* attn, bf16* act, float* att_part, bf16* out, const bf16* __restrict__ cos,
               const bf16* __restrict__ sin, const int* __restrict__ block_table, const int* __restrict__ seq_len,
               const int* __restrict__ new_slot,
-              u64* barrier, long long* clocks, bf16* xs_seen) {
+              u64* barrier, long long* clocks, bf16* xs_seen, long long* gemv_stats) {
     extern __shared__ __align__(128) char smem[];
     bf16* xs = reinterpret_cast<bf16*>(smem);
     float* part = reinterpret_cast<float*>(smem + INTER * 2);
@@ -375,7 +381,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
         async_copies_wait();  // this layer's norm weights
         consumers_sync();
         rms_norm(h, norm_in, xs, eps, red);
-        i = gemv(slot_meta, ph, i, xs, part, HIDDEN / 8, ring, full, empty, red);
+        i = gemv(slot_meta, ph, i, xs, part, HIDDEN / 8, ring, full, empty, red, gemv_stats + 0);
         if (cta < KV_HEADS * SPLITS)  // xs is free: attention's older keys and values load during the barrier
             fetch_old_kv(cta, ctx, reinterpret_cast<const bf16*>(lt[3]), reinterpret_cast<const bf16*>(lt[4]), pages,
                          xs);
@@ -502,13 +508,13 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
         SYNC(layer, 2);
         // o, then the residual
         load_vector(attn, xs, ATTN);
-        i = gemv(slot_meta, ph + 3 * stride, i, xs, part, ATTN / 8, ring, full, empty, red);
+        i = gemv(slot_meta, ph + 3 * stride, i, xs, part, ATTN / 8, ring, full, empty, red, gemv_stats + 2);
         add_to_residual(h, own, part, ph + 3 * stride);
         SYNC(layer, 3);
         // gate-up: RMSNorm, gate rows then up rows of this CTA's features, SiLU(gate) * up
         rms_norm(h, norm_post, xs, eps, red);
         if (cta == 0) for (int k = tid; k < HIDDEN; k += CONSUMERS) xs_seen[k] = xs[k];  // the last layer's (checks)
-        i = gemv(slot_meta, ph + 4 * stride, i, xs, part, HIDDEN / 8, ring, full, empty, red);
+        i = gemv(slot_meta, ph + 4 * stride, i, xs, part, HIDDEN / 8, ring, full, empty, red, gemv_stats + 4);
         {
             const int f0 = ph[4 * stride + 2], nf = ph[4 * stride + 3] - f0;
             for (int rr = tid; rr < nf; rr += CONSUMERS) {
@@ -520,7 +526,7 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
         // down, then the residual; the next layer's norm weights and bias arrive meanwhile (this layer's are used)
         if (layer + 1 < layers) fetch_layer_params(lt + 5, ph + 6 * stride, norm_in, norm_post, qkv_bias);
         load_vector(act, xs, INTER);
-        i = gemv(slot_meta, ph + 5 * stride, i, xs, part, INTER / 8, ring, full, empty, red);
+        i = gemv(slot_meta, ph + 5 * stride, i, xs, part, INTER / 8, ring, full, empty, red, gemv_stats + 6);
         add_to_residual(h, own, part, ph + 5 * stride);
         SYNC(layer, 5);
     }
@@ -628,7 +634,9 @@ class PersistentTalker:
                         "barrier": torch.zeros(2, dtype=torch.int64, device=dev),  # arrivals, steps
                         # CTA 0's clock when its work in each phase was done and when every CTA had arrived
                         "clocks": torch.zeros(len(layers) * PHASES * 2, dtype=torch.int64, device=dev),
-                        "xs_seen": torch.zeros(HIDDEN, dtype=torch.bfloat16, device=dev)}  # gate-up's input
+                        "xs_seen": torch.zeros(HIDDEN, dtype=torch.bfloat16, device=dev),  # gate-up's input
+                        # CTA 0's thread 0 in qkv, o, gate-up, down: clocks waiting for full slots, then working
+                        "gemv_stats": torch.zeros(8, dtype=torch.int64, device=dev)}
 
     def __call__(self, h: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  block_table: torch.Tensor, seq_len: torch.Tensor, new_slot: torch.Tensor) -> None:
@@ -639,7 +647,7 @@ class PersistentTalker:
                     args=[self.chunks, self.cta_chunks, self.phases, self.layer_tab, len(self.layers),
                           self.final_norm, h, s["qkv"], s["attn"], s["act"], s["att_part"], out, cos, sin,
                           block_table, seq_len, new_slot,
-                          s["barrier"], s["clocks"], s["xs_seen"]])
+                          s["barrier"], s["clocks"], s["xs_seen"], s["gemv_stats"]])
 
 
 def reference(h: torch.Tensor, layers: list[dict], final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -819,9 +827,14 @@ def main() -> None:
             names = ("qkv", "attention", "merge", "o", "gate_up", "down")
             phase_us = {n: [round(float(w) / 1980, 2), round(float(x) / 1980, 2)]
                         for n, w, x in zip(names, work.tolist(), wait.tolist(), strict=True)}
+            step.scratch["gemv_stats"].zero_()  # one more step: CTA 0's GEMV time waiting for slots, then working
+            step(h, out, cos, sin, block_table, seq_len, slot_t)
+            stats = (step.scratch["gemv_stats"].double().cpu() / 1980 / args.layers).view(4, 2).tolist()
+            gemv_us = {n: [round(w, 2), round(k, 2)] for n, (w, k) in zip(("qkv", "o", "gate_up", "down"), stats,
+                                                                          strict=True)}
             record(part="persistent_talker", ctas=ctas, depth=depth, no_math=args.no_math, consumers=args.consumers,
                    slot=args.slot, prefetch_kb=prefetch_kb, evict_first=args.evict_first,
-                   cta0_us_work_then_wait=phase_us,
+                   cta0_us_work_then_wait=phase_us, cta0_gemv_us_slot_wait_then_work=gemv_us,
                    splits=args.splits, context=ctx,
                    layers=args.layers, ms_a_step=round(statistics.median(times), 4),
                    ms_min=round(min(times), 4), rel_err_out=f"{err:.2e}",
