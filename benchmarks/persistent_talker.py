@@ -181,24 +181,43 @@ __device__ int gemv(const u64* slot_meta, const int* phase, int i, const bf16* x
 #else
         if (whole) {
 #endif
-            for (int rr = warp; rr < rows; rr += CONSUMERS / 32) {
-                // four vectors a lane at a time, loads first, four independent sums (the chain was latency-bound)
-                float sums[4] = {0.f, 0.f, 0.f, 0.f};
+            // a warp's two rows (warp, warp + 8) at once: the input vector read once for both and twice the
+            // independent loads and sums in flight (run 33h: the consumers, not the stream, set gate-up's pace)
+            constexpr int WARPS = CONSUMERS / 32;
+            for (int rr = warp; rr < rows; rr += 2 * WARPS) {
+                const bool two = rr + WARPS < rows;
+                const uint4* w1 = wv + rr * row_vecs;
+                const uint4* w2 = w1 + WARPS * row_vecs;
+                float s1[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
                 for (int q0 = lane; q0 < row_vecs; q0 += 128) {
-                    uint4 w4[4], x4[4];
+                    uint4 x4[4], a4[4], b4[4];
                     #pragma unroll
                     for (int u = 0; u < 4; u++) {
                         const int q = q0 + 32 * u;
-                        if (q < row_vecs) { w4[u] = wv[rr * row_vecs + q]; x4[u] = xv[q]; }
+                        if (q < row_vecs) {
+                            x4[u] = xv[q];
+                            a4[u] = w1[q];
+                            if (two) b4[u] = w2[q];
+                        }
                     }
                     #pragma unroll
-                    for (int u = 0; u < 4; u++)
-                        if (q0 + 32 * u < row_vecs) sums[u] = dot8(w4[u], x4[u], sums[u]);
+                    for (int u = 0; u < 4; u++) {
+                        if (q0 + 32 * u < row_vecs) {
+                            s1[u] = dot8(a4[u], x4[u], s1[u]);
+                            if (two) s2[u] = dot8(b4[u], x4[u], s2[u]);
+                        }
+                    }
                 }
-                float v = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+                float v1 = (s1[0] + s1[1]) + (s1[2] + s1[3]), v2 = (s2[0] + s2[1]) + (s2[2] + s2[3]);
                 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                if (lane == 0) part[row0 + rr] = v;
+                for (int o = 16; o > 0; o >>= 1) {
+                    v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+                    v2 += __shfl_xor_sync(0xffffffffu, v2, o);
+                }
+                if (lane == 0) {
+                    part[row0 + rr] = v1;
+                    if (two) part[row0 + rr + WARPS] = v2;
+                }
             }
         } else if (!NO_MATH_ON) {  // a slot of a long row, maybe running into the next one (at most one end)
             const int piece_vecs = segs * SEG / 8, col0 = seg0 * SEG / 8;
