@@ -709,25 +709,29 @@ def reference(h: torch.Tensor, layers: list[dict], final_norm: torch.Tensor, cos
 
 def beside_solve(talker: torch.cuda.CUDAGraph, reps: int) -> dict:
     """Ten talker steps (the graph) beside stand_in's matmuls on a stream of their own, replayed back to back:
-    whether a kernel holding every SM's shared memory lets a solve run at all. ms a talker step and a pass of
-    the matmuls, each alone and beside the other."""
+    ms a talker step alone and beside, and the matmuls' passes a ms alone and while the talker ran (run 33g's
+    first reading averaged the passes after the talker's end in: most of them, as it turned out)."""
     side, main_stream = torch.cuda.Stream(), torch.cuda.Stream()
     solve = stand_in.solve_graph(side)
-    start, end = stand_in.replay(side, solve, 3)
+    start, ends = stand_in.replay(side, solve, 3)
     torch.cuda.synchronize()
-    pass_alone = start.elapsed_time(end) / 3 / stand_in.PASSES
-    start, end = stand_in.replay(main_stream, talker, reps)
+    alone = stand_in.passes_per_ms(start, ends, start.elapsed_time(ends[-1]))
+    start, ends = stand_in.replay(main_stream, talker, reps)
     torch.cuda.synchronize()
-    step_alone = start.elapsed_time(end) / reps / 10
-    n = max(1, round(reps * 10 * step_alone / (stand_in.PASSES * pass_alone)))  # as long as the talker's run
-    solve_start, solve_end = stand_in.replay(side, solve, n)
-    start, end = stand_in.replay(main_stream, talker, reps)
+    step_alone = start.elapsed_time(ends[-1]) / reps / 10
+    n = 2 * max(1, round(reps * 10 * step_alone * alone / stand_in.PASSES))  # outlasts the talker's run
+    origin = torch.cuda.Event(enable_timing=True)
+    origin.record()
+    side.wait_event(origin)
+    main_stream.wait_event(origin)
+    solve_start, solve_ends = stand_in.replay(side, solve, n)
+    talker_start, talker_ends = stand_in.replay(main_stream, talker, reps)
     torch.cuda.synchronize()
+    talker_ms = origin.elapsed_time(talker_ends[-1])
     return {"beside": {"talker_ms_a_step_alone": round(step_alone, 4),
-                       "talker_ms_a_step_beside": round(start.elapsed_time(end) / reps / 10, 4),
-                       "solve_pass_ms_alone": round(pass_alone, 4),
-                       "solve_pass_ms_beside": round(solve_start.elapsed_time(solve_end) / n / stand_in.PASSES, 4),
-                       "solve_passes": n * stand_in.PASSES}}
+                       "talker_ms_a_step_beside": round(talker_start.elapsed_time(talker_ends[-1]) / reps / 10, 4),
+                       "solve_passes_a_ms_alone": round(alone, 3),
+                       "solve_passes_a_ms_beside": round(stand_in.passes_per_ms(origin, solve_ends, talker_ms), 3)}}
 
 
 def main() -> None:

@@ -31,12 +31,20 @@ def solve_graph(stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
 
 
 def replay(stream: torch.cuda.Stream, graph: torch.cuda.CUDAGraph, times: int
-           ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-    """`times` replays queued on `stream`, between two timing events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+           ) -> tuple[torch.cuda.Event, list[torch.cuda.Event]]:
+    """`times` replays queued on `stream`: a timing event before them and one after each."""
+    start, ends = torch.cuda.Event(enable_timing=True), []
     with torch.cuda.stream(stream):
         start.record()
         for _ in range(times):
             graph.replay()
-        end.record()
-    return start, end
+            ends.append(torch.cuda.Event(enable_timing=True))
+            ends[-1].record()
+    return start, ends
+
+
+def passes_per_ms(start: torch.cuda.Event, ends: list[torch.cuda.Event], until_ms: float) -> float:
+    """Passes a replay() run finished in its first `until_ms` (its events done and synchronised), per ms: the
+    stand-in's pace while something else ran beside it for that long, not counting what ran after."""
+    done = sum(start.elapsed_time(end) <= until_ms for end in ends)
+    return done * PASSES / until_ms

@@ -88,22 +88,24 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
                eager=eager, steps=steps, ms_per_step=round(1000 * seconds / max(steps, 1), 3),
                ms_per_code=round(1000 * seconds * batch / max(drawn, 1), 3),
                overlapped_steps=engine.num_overlapped_steps, burst_steps=engine.num_burst_steps,
-               **({"solve_pass_ms_alone": solve["alone"], "solve_pass_ms_beside": solve["beside"]()} if solve else {}))
+               **({"solve_passes_a_ms_alone": solve["alone"],
+                   "solve_passes_a_ms_beside": solve["beside"](1000 * seconds)} if solve else {}))
     finally:
         engine.shutdown()
 
 
 def beside(ms: float) -> dict:
-    """stand_in's solve graph replayed back to back on a stream of its own for about `ms`: its pass time alone,
-    and a function giving its pass time over the replays queued now (call it once they are done)."""
+    """stand_in's solve graph replayed back to back on a stream of its own for about twice `ms`: its passes a ms
+    alone, and a function giving its passes a ms in the first `until_ms` of the replays queued now (call it once
+    they are done)."""
     side = torch.cuda.Stream()
     graph = stand_in.solve_graph(side)
-    start, end = stand_in.replay(side, graph, 3)
+    start, ends = stand_in.replay(side, graph, 3)
     torch.cuda.synchronize()
-    alone = start.elapsed_time(end) / 3 / stand_in.PASSES
-    n = max(1, round(ms / (alone * stand_in.PASSES)))
-    start, end = stand_in.replay(side, graph, n)
-    return {"alone": round(alone, 4), "beside": lambda: round(start.elapsed_time(end) / n / stand_in.PASSES, 4)}
+    alone = stand_in.passes_per_ms(start, ends, start.elapsed_time(ends[-1]))
+    start, ends = stand_in.replay(side, graph, 2 * max(1, round(ms * alone / stand_in.PASSES)))
+    return {"alone": round(alone, 3),
+            "beside": lambda until_ms: round(stand_in.passes_per_ms(start, ends, until_ms), 3)}
 
 
 def print_kernel_profile(engine, batch: int, sync, steps: int = 20) -> None:
