@@ -1,5 +1,6 @@
-"""A batch-1 decode step of Qwen2.5-Omni's talker decoder as one persistent CUDA kernel: a prototype, slower
-than the kernel chain it would replace (benchmarks/results/omni_qwen2_5.md, run 32).
+"""A batch-1 decode step of Qwen2.5-Omni's talker decoder as one persistent CUDA kernel: a prototype, about as fast
+as the kernel chain it would replace, and one that does not share the GPU (benchmarks/results/omni_qwen2_5.md,
+runs 32 and 33).
 
 benchmarks/persistent_step.py measured the design's ceiling (~0.94 ms a step for the released talker's weights
 with six grid barriers a layer, against ~1.12 ms a code for today's ~200-kernel chain). This is the real thing
@@ -11,15 +12,21 @@ and wait at the grid barriers between phases:
     context) | merge of the splits | o (GEMV + residual) | gate-up (RMSNorm, GEMV, SiLU * up) | down (GEMV +
     residual)
 
+What does not depend on other CTAs is fetched before the barrier it would otherwise wait behind (the next
+layer's norm weights and qkv bias, attention's older keys and values, by cp.async); what does is read in one
+round trip per phase; the barrier is one 64-bit counter that only grows (run 33: 1.33 -> 1.14 ms a step).
 Rounding follows transformers' bfloat16 Qwen2 layer (each op's output rounded to bfloat16); rows' sums are in a
 fixed order (no atomics), so a step gives the same bits every time. The codec head and the draw stay outside.
-On an H200 (run 32) it matches a torch reference as closely as transformers' own bfloat16 layers match float32
-(2.06-2.14% against 2.02% after 24 random layers) and takes 1.33 ms a step with 28 KB ring slots: gate-up 17 µs
-and down 12 (`--no-math`: 15.1 and 8.4), and the phases that stream little (qkv, attention, merge, o) with their
-barriers ~25 µs a layer, against ~17 µs for the chain's kernels (~1.05 ms for its 24 layers).
+On an H200 it matches a torch reference about as closely as transformers' own bfloat16 layers match float32
+(2.22% against 2.02% after 24 random layers) and takes 1.13-1.15 ms a step (1.127 with a ring of 3 slots),
+against ~1.05 ms estimated for the chain's 24 layers. The consumers' arithmetic, not the weight stream, sets
+the GEMV phases' pace (CTA 0 works 12.3 µs of gate-up's 16 and waits 2.6 for slots). `--beside-solve` runs it
+beside stand_in.py's DiT-shaped matmuls: the talker keeps its speed (+1.4%) because the matmuls finish nothing
+while it runs (the chain: talker at 38% of its speed, the matmuls at 81%, run 33j).
 
     python benchmarks/persistent_talker.py --out persistent_talker.jsonl        # GPU (torch's NVRTC compiles it)
     python benchmarks/persistent_talker.py --layers 1 --ctas 132 --depths 8     # each phase checked at one layer
+    python benchmarks/persistent_talker.py --ctas 132 --beside-solve            # beside a stand-in solve
 """
 
 from __future__ import annotations
