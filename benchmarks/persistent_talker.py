@@ -125,8 +125,8 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 // xs = weight * bf16(h * rsqrt(mean(h^2) + eps)), as transformers' Qwen2RMSNorm in bfloat16. h comes from L2
 // in one round trip (16 B a thread) into xs, which is then normalised in place.
 __device__ void rms_norm(const bf16* h, const bf16* weight, bf16* xs, float eps, float* red) {
-    if (threadIdx.x < HIDDEN / 8)
-        reinterpret_cast<uint4*>(xs)[threadIdx.x] = ld_v4(reinterpret_cast<const uint4*>(h) + threadIdx.x);
+    for (int k = threadIdx.x; k < HIDDEN / 8; k += CONSUMERS)
+        reinterpret_cast<uint4*>(xs)[k] = ld_v4(reinterpret_cast<const uint4*>(h) + k);
     consumers_sync();
     float ss = 0.f;
     for (int k = threadIdx.x; k < HIDDEN; k += CONSUMERS) { const float v = f(xs[k]); ss += v * v; }
@@ -291,15 +291,17 @@ __device__ void fetch_old_kv(int item, int ctx, const bf16* kc, const bf16* vc, 
 // asynchronously: no CTA writes them, so they are fetched while the layer before still streams
 __device__ void fetch_layer_params(const u64* lt, const int* qkv_phase, bf16* norm_in, bf16* norm_post,
                                    bf16* bias) {
-    const int t = threadIdx.x, first = qkv_phase[2] / 8, blocks = (qkv_phase[3] + 7) / 8 - first;
-    if (t < HIDDEN / 8)
-        copy16_async(reinterpret_cast<uint4*>(norm_in) + t, reinterpret_cast<const uint4*>(lt[0]) + t);
-    else if (t < HIDDEN / 4)
-        copy16_async(reinterpret_cast<uint4*>(norm_post) + t - HIDDEN / 8,
-                     reinterpret_cast<const uint4*>(lt[1]) + t - HIDDEN / 8);
-    else if (t < HIDDEN / 4 + blocks)
-        copy16_async(reinterpret_cast<uint4*>(bias) + t - HIDDEN / 4,
-                     reinterpret_cast<const uint4*>(lt[2]) + first + t - HIDDEN / 4);
+    const int first = qkv_phase[2] / 8, blocks = (qkv_phase[3] + 7) / 8 - first;
+    for (int t = threadIdx.x; t < HIDDEN / 4 + blocks; t += CONSUMERS) {
+        if (t < HIDDEN / 8)
+            copy16_async(reinterpret_cast<uint4*>(norm_in) + t, reinterpret_cast<const uint4*>(lt[0]) + t);
+        else if (t < HIDDEN / 4)
+            copy16_async(reinterpret_cast<uint4*>(norm_post) + t - HIDDEN / 8,
+                         reinterpret_cast<const uint4*>(lt[1]) + t - HIDDEN / 8);
+        else
+            copy16_async(reinterpret_cast<uint4*>(bias) + t - HIDDEN / 4,
+                         reinterpret_cast<const uint4*>(lt[2]) + first + t - HIDDEN / 4);
+    }
 }
 
 // q or k of one head (staged in shared memory), rotated as transformers' rotate_half in bfloat16:
@@ -429,8 +431,10 @@ talker_layers(const u64* __restrict__ chunks, const int* __restrict__ cta_chunks
                 const uint4* q = reinterpret_cast<const uint4*>(qkv + g * GROUP * HEAD_DIM);
                 const uint4* k = reinterpret_cast<const uint4*>(qkv + ATTN + g * HEAD_DIM);
                 const uint4* v = reinterpret_cast<const uint4*>(qkv + ATTN + (KV_HEADS + g) * HEAD_DIM);
-                const uint4* src = tid < QV ? q + tid : tid < QV + KV ? k + tid - QV : v + tid - QV - KV;
-                if (tid < QV + 2 * KV) reinterpret_cast<uint4*>(staged)[tid] = ld_v4(src);
+                for (int t = tid; t < QV + 2 * KV; t += CONSUMERS) {
+                    const uint4* src = t < QV ? q + t : t < QV + KV ? k + t - QV : v + t - QV - KV;
+                    reinterpret_cast<uint4*>(staged)[t] = ld_v4(src);
+                }
             }
             consumers_sync();
             for (int idx = tid; idx < GROUP * HEAD_DIM; idx += CONSUMERS)
