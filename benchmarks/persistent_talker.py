@@ -66,11 +66,6 @@ __device__ __forceinline__ float r(float x) { return __bfloat162float(__float2bf
 
 // What other CTAs wrote in this launch: read from L2 with volatile asm, so the compiler can neither cache it
 // in L1 nor reuse an earlier load of the same address (__ldcg's loads were merged across phases).
-__device__ __forceinline__ bf16 ld_bf16(const bf16* p) {
-    unsigned short v;
-    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
-    return __ushort_as_bfloat16(v);
-}
 __device__ __forceinline__ float ld_f32(const float* p) {
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");

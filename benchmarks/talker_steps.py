@@ -70,7 +70,7 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
                 print_kernel_profile(engine, batch, sync)
             profiler = cProfile.Profile() if host_profile and wave == "measured" else None
             solve = None
-            if beside_solve and wave == "measured":  # stand_in's matmuls, queued for about the talker's run
+            if beside_solve and wave == "measured":  # stand_in's matmuls, queued to outlast the talker's run
                 solve = beside(codes * batch * 1.2)
             steps, drawn, start = 0, 0, time.perf_counter()
             if profiler:
@@ -138,6 +138,8 @@ def main() -> None:
     ap.add_argument("--beside-solve", action="store_true",
                     help="the measured wave beside stand_in.py's DiT-shaped matmuls on a stream of their own")
     args = ap.parse_args()
+    if args.beside_solve and not torch.cuda.is_available():
+        ap.error("--beside-solve needs a GPU (stand_in.py's matmuls run in a CUDA graph)")
 
     record = recorder(args.out)
 
