@@ -714,12 +714,12 @@ def reference(h: torch.Tensor, layers: list[dict], final_norm: torch.Tensor, cos
     return norm(h, final_norm), h
 
 
-def beside_solve(talker: torch.cuda.CUDAGraph, reps: int) -> dict:
+def beside_solve(talker: torch.cuda.CUDAGraph, reps: int, kernels: str = "cublas") -> dict:
     """Ten talker steps (the graph) beside stand_in's matmuls on a stream of their own, replayed back to back:
     ms a talker step alone and beside, and the matmuls' passes a ms alone and while the talker ran (run 33g's
     first reading averaged the passes after the talker's end in: most of them, as it turned out)."""
     side, main_stream = torch.cuda.Stream(), torch.cuda.Stream()
-    solve = stand_in.solve_graph(side)
+    solve = stand_in.solve_graph(side, kernels)
     start, ends = stand_in.replay(side, solve, 3)
     torch.cuda.synchronize()
     alone = stand_in.passes_per_ms(start, ends, start.elapsed_time(ends[-1]))
@@ -735,7 +735,7 @@ def beside_solve(talker: torch.cuda.CUDAGraph, reps: int) -> dict:
     talker_start, talker_ends = stand_in.replay(main_stream, talker, reps)
     torch.cuda.synchronize()
     talker_ms = origin.elapsed_time(talker_ends[-1])
-    return {"beside": {"talker_ms_a_step_alone": round(step_alone, 4),
+    return {"beside": {"stand_in": kernels, "talker_ms_a_step_alone": round(step_alone, 4),
                        "talker_ms_a_step_beside": round(talker_start.elapsed_time(talker_ends[-1]) / reps / 10, 4),
                        "solve_passes_a_ms_alone": round(alone, 3),
                        "solve_passes_a_ms_beside": round(stand_in.passes_per_ms(origin, solve_ends, talker_ms), 3)}}
@@ -757,8 +757,9 @@ def main() -> None:
     ap.add_argument("--prefetch-kb", default="0",
                     help="how far (KB a CTA) each producer warp keeps L2 prefetches ahead of its copies; a list")
     ap.add_argument("--evict-first", action="store_true", help="the ring's copies marked evict-first in L2")
-    ap.add_argument("--beside-solve", action="store_true",
-                    help="also time the steps beside a stand-in for token2wav's solve (DiT-shaped cuBLAS matmuls)")
+    ap.add_argument("--beside-solve", nargs="?", const="cublas", choices=("cublas", "triton"),
+                    help="also time the steps beside a stand-in for token2wav's solve: stand_in.py's DiT-shaped "
+                         "matmuls on cuBLAS (the default) or in small Triton tiles")
     ap.add_argument("--zero", default="", help="debugging: weights set to zero on both sides (o_w, down_w)")
     args = ap.parse_args()
     record = recorder(args.out)
@@ -849,7 +850,7 @@ def main() -> None:
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) / 10)
-            beside = beside_solve(graph, args.reps) if args.beside_solve else {}
+            beside = beside_solve(graph, args.reps, args.beside_solve) if args.beside_solve else {}
             clocks = step.scratch["clocks"].view(-1, PHASES, 2).double().cpu()  # the last step's
             starts = torch.cat([clocks[:1, 0, 1] - 0, clocks.view(-1, 2)[:-1, 1]])  # previous phase's release
             work = (clocks.view(-1, 2)[:, 0] - starts).view(-1, PHASES)[1:].mean(0)  # layer 0 has no start

@@ -48,7 +48,7 @@ def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: Sa
 
 
 def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool = False,
-        kernel_profile: bool = False, eager: bool = False, burst: int = 1, beside_solve: bool = False) -> None:
+        kernel_profile: bool = False, eager: bool = False, burst: int = 1, beside_solve: str | None = None) -> None:
     family, info = detect_family(path)
     deploy = load_deploy_config({"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
                                                        "overlap_sampled": overlap_sampled, "decode_burst": burst,
@@ -71,7 +71,7 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
             profiler = cProfile.Profile() if host_profile and wave == "measured" else None
             solve = None
             if beside_solve and wave == "measured":  # stand_in's matmuls, queued to outlast the talker's run
-                solve = beside(codes * batch * 1.2)
+                solve = beside(codes * batch * 1.2, beside_solve)
             steps, drawn, start = 0, 0, time.perf_counter()
             if profiler:
                 profiler.enable()
@@ -88,18 +88,18 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
                eager=eager, steps=steps, ms_per_step=round(1000 * seconds / max(steps, 1), 3),
                ms_per_code=round(1000 * seconds * batch / max(drawn, 1), 3),
                overlapped_steps=engine.num_overlapped_steps, burst_steps=engine.num_burst_steps,
-               **({"solve_passes_a_ms_alone": solve["alone"],
+               **({"stand_in": beside_solve, "solve_passes_a_ms_alone": solve["alone"],
                    "solve_passes_a_ms_beside": solve["beside"](1000 * seconds)} if solve else {}))
     finally:
         engine.shutdown()
 
 
-def beside(ms: float) -> dict:
+def beside(ms: float, kernels: str) -> dict:
     """stand_in's solve graph replayed back to back on a stream of its own for about twice `ms`: its passes a ms
     alone, and a function giving its passes a ms in the first `until_ms` of the replays queued now (call it once
     they are done)."""
     side = torch.cuda.Stream()
-    graph = stand_in.solve_graph(side)
+    graph = stand_in.solve_graph(side, kernels)
     start, ends = stand_in.replay(side, graph, 3)
     torch.cuda.synchronize()
     alone = stand_in.passes_per_ms(start, ends, start.elapsed_time(ends[-1]))
@@ -135,8 +135,9 @@ def main() -> None:
     ap.add_argument("--kernel-profile", action="store_true", help="a table of device time by kernel over 20 steps")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (each kernel keeps its op's name)")
     ap.add_argument("--bursts", default="1", help="decode_burst values to run (steps with overlap_sampled)")
-    ap.add_argument("--beside-solve", action="store_true",
-                    help="the measured wave beside stand_in.py's DiT-shaped matmuls on a stream of their own")
+    ap.add_argument("--beside-solve", nargs="?", const="cublas", choices=("cublas", "triton"),
+                    help="the measured wave beside stand_in.py's DiT-shaped matmuls on a stream of their own (on "
+                         "cuBLAS, the default, or in small Triton tiles)")
     args = ap.parse_args()
     if args.beside_solve and not torch.cuda.is_available():
         ap.error("--beside-solve needs a GPU (stand_in.py's matmuls run in a CUDA graph)")
