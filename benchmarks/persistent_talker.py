@@ -22,8 +22,8 @@ On an H200 it matches a torch reference about as closely as transformers' own bf
 against ~1.05 ms estimated for the chain's 24 layers. The consumers' arithmetic, not the weight stream, sets
 the GEMV phases' pace (CTA 0 works 12.3 µs of gate-up's 16 and waits 2.6 for slots). `--beside-solve` runs it
 beside stand_in.py's DiT-shaped matmuls: the talker keeps its speed (+1.4%) because the matmuls finish nothing
-while it runs, whatever its ring or thread count; cuBLAS runs only on SMs it leaves free (the chain: talker at
-38% of its speed, the matmuls at 81%; runs 33j-33m).
+while it runs, whatever its ring or thread count, on cuBLAS or in small Triton tiles: they run only on SMs it
+leaves free (the chain: talker at 38% of its speed, the matmuls at 81%; runs 33j-33n).
 
     python benchmarks/persistent_talker.py --out persistent_talker.jsonl        # GPU (torch's NVRTC compiles it)
     python benchmarks/persistent_talker.py --layers 1 --ctas 132 --depths 8     # each phase checked at one layer
