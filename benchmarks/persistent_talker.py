@@ -718,11 +718,8 @@ def beside_solve(talker: torch.cuda.CUDAGraph, reps: int, kernels: str = "cublas
     """Ten talker steps (the graph) beside stand_in's matmuls on a stream of their own, replayed back to back:
     ms a talker step alone and beside, and the matmuls' passes a ms alone and while the talker ran (run 33g's
     first reading averaged the passes after the talker's end in: most of them, as it turned out)."""
-    side, main_stream = torch.cuda.Stream(), torch.cuda.Stream()
-    solve = stand_in.solve_graph(side, kernels)
-    start, ends = stand_in.replay(side, solve, 3)
-    torch.cuda.synchronize()
-    alone = stand_in.passes_per_ms(start, ends, start.elapsed_time(ends[-1]))
+    side, solve, alone = stand_in.alone(kernels)
+    main_stream = torch.cuda.Stream()
     start, ends = stand_in.replay(main_stream, talker, reps)
     torch.cuda.synchronize()
     step_alone = start.elapsed_time(ends[-1]) / reps / 10

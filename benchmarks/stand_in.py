@@ -75,3 +75,13 @@ def passes_per_ms(start: torch.cuda.Event, ends: list[torch.cuda.Event], until_m
     stand-in's pace while something else ran beside it for that long, not counting what ran after."""
     done = sum(start.elapsed_time(end) <= until_ms for end in ends)
     return done * PASSES / until_ms
+
+
+def alone(kernels: str = "cublas") -> tuple[torch.cuda.Stream, torch.cuda.CUDAGraph, float]:
+    """A stream of its own, the stand-in's graph captured on it (`kernels`: see solve_graph), and its passes a ms
+    there with nothing beside it."""
+    side = torch.cuda.Stream()
+    graph = solve_graph(side, kernels)
+    start, ends = replay(side, graph, 3)
+    torch.cuda.synchronize()
+    return side, graph, passes_per_ms(start, ends, start.elapsed_time(ends[-1]))

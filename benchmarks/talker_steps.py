@@ -98,11 +98,7 @@ def beside(ms: float, kernels: str) -> dict:
     """stand_in's solve graph replayed back to back on a stream of its own for about twice `ms`: its passes a ms
     alone, and a function giving its passes a ms in the first `until_ms` of the replays queued now (call it once
     they are done)."""
-    side = torch.cuda.Stream()
-    graph = stand_in.solve_graph(side, kernels)
-    start, ends = stand_in.replay(side, graph, 3)
-    torch.cuda.synchronize()
-    alone = stand_in.passes_per_ms(start, ends, start.elapsed_time(ends[-1]))
+    side, graph, alone = stand_in.alone(kernels)
     start, ends = stand_in.replay(side, graph, 2 * max(1, round(ms * alone / stand_in.PASSES)))
     return {"alone": round(alone, 3),
             "beside": lambda until_ms: round(stand_in.passes_per_ms(start, ends, until_ms), 3)}
