@@ -22,7 +22,7 @@ from pathlib import Path
 
 import stand_in
 import torch
-from omni_qwen2_5 import checkpoint_path
+from omni_qwen2_5 import apply_settings, checkpoint_path, parse_settings
 from recording import recorder
 
 from omnistage.config.deploy import load_deploy_config
@@ -48,11 +48,15 @@ def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: Sa
 
 
 def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool = False,
-        kernel_profile: bool = False, eager: bool = False, burst: int = 1, beside_solve: str | None = None) -> None:
+        kernel_profile: bool = False, eager: bool = False, burst: int = 1, beside_solve: str | None = None,
+        settings: dict | None = None, prompt_len: int = 156, replays: int = 0,
+        crowd: tuple[tuple[int, int], ...] = ()) -> None:
     family, info = detect_family(path)
-    deploy = load_deploy_config({"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
-                                                       "overlap_sampled": overlap_sampled, "decode_burst": burst,
-                                                       "enforce_eager": eager}}})
+    fields = {"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
+                                    "overlap_sampled": overlap_sampled, "decode_burst": burst,
+                                    "enforce_eager": eager}}}
+    apply_settings(fields, settings or {})
+    deploy = load_deploy_config(fields)
     pipeline = family.pipeline(info, deploy)
     engine = pipeline.build_engine("talker")
     params = SamplingParams(max_tokens=codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
@@ -61,7 +65,7 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
     try:
         for wave in ("warm-up", "measured"):
             for i in range(batch):
-                engine.add_request(talker_input(pipeline, f"{wave}-{i}", 156, 128, params))
+                engine.add_request(talker_input(pipeline, f"{wave}-{i}", prompt_len, 128, params))
             while engine.stats()["num_running"] < batch or any(s.num_computed < s.num_prompt_tokens
                                                                for s in engine.seqs.values()):
                 engine.step()  # prefills (and a first code each)
@@ -84,14 +88,52 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
                 profiler.disable()
                 print(f"== host profile, batch {batch}, overlap_sampled={overlap_sampled}", flush=True)
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        if replays and engine.runner.burst_graphs:  # the batch's burst graph alone, back to back (a diagnostic)
+            graph = engine.runner.burst_graphs[min(b for b in engine.runner.burst_graphs if b >= batch)]
+            record(part="burst_replays", batch=batch, replays=replays, settings=settings,
+                   ms_per_replay=replay_ms(graph, replays))
+            for graphs, nodes in crowd:  # then beside other captured graphs, unrelated to it
+                kept = captured_graphs(graphs, nodes, engine.device)
+                record(part="burst_replays", batch=batch, replays=replays, settings=settings,
+                       other_graphs=len(kept), their_nodes=graphs * nodes, ms_per_replay=replay_ms(graph, replays))
         record(part="talker_steps", batch=batch, codes=codes, overlap_sampled=overlap_sampled, decode_burst=burst,
                eager=eager, steps=steps, ms_per_step=round(1000 * seconds / max(steps, 1), 3),
                ms_per_code=round(1000 * seconds * batch / max(drawn, 1), 3),
                overlapped_steps=engine.num_overlapped_steps, burst_steps=engine.num_burst_steps,
+               prompt_len=prompt_len, **({"settings": settings} if settings else {}),
                **({"stand_in": beside_solve, "solve_passes_a_ms_alone": solve["alone"],
                    "solve_passes_a_ms_beside": solve["beside"](1000 * seconds)} if solve else {}))
     finally:
         engine.shutdown()
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Milliseconds a replay of `graph`, `replays` queued back to back (after one to warm up)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / replays, 4)
+
+
+_crowd: list[torch.cuda.CUDAGraph] = []  # kept for the process: each --crowd step adds to the ones before
+
+
+def captured_graphs(graphs: int, nodes: int, device: torch.device) -> list[torch.cuda.CUDAGraph]:
+    """`graphs` more CUDA graphs of `nodes` one-element additions each, captured and kept (never replayed):
+    does a graph replay slow down as a process instantiates more graph nodes (run 34: the talker's batch-1
+    burst graph replayed 4% slower once graphs for other batch sizes were captured)?"""
+    x = torch.zeros(1, device=device)
+    for _ in range(graphs):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(nodes):
+                x.add_(1)
+        _crowd.append(graph)
+    return _crowd
 
 
 def beside(ms: float, kernels: str) -> dict:
@@ -134,18 +176,45 @@ def main() -> None:
     ap.add_argument("--beside-solve", nargs="?", const="cublas", choices=("cublas", "triton"),
                     help="the measured wave beside stand_in.py's DiT-shaped matmuls on a stream of their own (on "
                          "cuBLAS, the default, or in small Triton tiles)")
+    ap.add_argument("--buckets", help="capture decode graphs for only these batch sizes (a diagnostic), e.g. 1,64")
+    ap.add_argument("--replays", type=int, default=0, help="then time the burst graph alone, this many replays")
+    ap.add_argument("--crowd", default="", help="with --replays: again after capturing GRAPHSxNODES more graphs "
+                                                "of small kernels, each step adding to the last: 1x1000,4x1000")
+    ap.add_argument("--capture-only", help="with --buckets: capture graphs for only these of them (a diagnostic)")
+    ap.add_argument("--ascending", action="store_true", help="capture the smallest batch's graphs first (a diagnostic)")
+    ap.add_argument("--prompt-len", type=int, default=156, help="the thinker prompt rows the talker prefills")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a deploy-config field, e.g. stages.talker.max_model_len=8192 (as the pipeline's config)")
     args = ap.parse_args()
     if args.beside_solve and not torch.cuda.is_available():
         ap.error("--beside-solve needs a GPU (stand_in.py's matmuls run in a CUDA graph)")
 
     record = recorder(args.out)
+    import omnistage.engine.ar.model_runner as model_runner
+
+    if args.buckets:
+        model_runner._bucket_sizes = lambda max_batch: [int(b) for b in args.buckets.split(",")]
+    if args.ascending:  # the runner captures in `reversed(sizes)` order: the module's name shadows the builtin
+        model_runner.reversed = iter
+    if args.capture_only:  # buffers sized for all buckets, graphs captured for these only; "burst:" for the
+        # burst graphs alone (the decode graphs' capture, the runner's first `reversed`, keeps every bucket)
+        burst_only = args.capture_only.startswith("burst:")
+        only = [int(b) for b in args.capture_only.removeprefix("burst:").split(",")]
+        calls = []
+
+        def chosen(sizes):
+            calls.append(sizes)
+            return iter(sorted(sizes, reverse=True) if burst_only and len(calls) == 1 else only)
+
+        model_runner.reversed = chosen
 
     path = checkpoint_path(args.tiny, args.checkpoint)
     for batch in (int(b) for b in args.batches.split(",")):
         for burst in (int(b) for b in args.bursts.split(",")):
             for overlap_sampled in (True,) if burst > 1 or args.kernel_profile else (False, True):
                 run(path, batch, args.codes, overlap_sampled, record, args.host_profile, args.kernel_profile,
-                    args.eager, burst, args.beside_solve)
+                    args.eager, burst, args.beside_solve, parse_settings(args.set), args.prompt_len,
+                    args.replays, tuple(tuple(int(v) for v in c.split("x")) for c in args.crowd.split(",") if c))
 
 
 if __name__ == "__main__":

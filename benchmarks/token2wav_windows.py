@@ -80,6 +80,7 @@ def main() -> None:
                          "window length the default windows grow through, up to --max-window, with and without "
                          "the deploy's SM carveout")
     ap.add_argument("--max-window", type=int, default=384)
+    ap.add_argument("--max-batch", type=int, default=1, help="--lengths: batch sizes to capture graphs for")
     ap.add_argument("--vocoder", action="store_true",
                     help="instead: the vocoder alone (graph replay) by mel frames and batch in float32 with cuDNN's "
                          "TF32 off, as torch leaves it, and in bfloat16; each one's distance from the first")
@@ -103,7 +104,7 @@ def main() -> None:
         return
     if args.lengths:
         for name in args.dtypes.split(","):
-            length_rows(model, voices, device, name, limit, args.max_window, record)
+            length_rows(model, voices, device, name, limit, args.max_window, record, args.max_batch)
         return
     if args.profile:
         for name in args.dtypes.split(","):
@@ -170,21 +171,23 @@ def profile_step(model, voices: dict, device: torch.device, name: str, limit: in
            eager_solve_ms=round(1000 * solve, 1), eager_vocoder_ms=round(1000 * vocode_seconds(decoder, mel), 1))
 
 
-def length_rows(model, voices: dict, device: torch.device, name: str, limit: int, max_window: int, record) -> None:
+def length_rows(model, voices: dict, device: torch.device, name: str, limit: int, max_window: int, record,
+                max_batch: int = 1) -> None:
     """Milliseconds of one continuing window's solve and vocoder pass by window length (what a request's last
-    window costs after the talker is done), the matmuls with all SMs and with 32 left free."""
+    window costs after the talker is done), the matmuls with all SMs and with 32 left free; `max_batch`: the
+    batch sizes graphs are captured for (a server's: 32), though each pass here solves one window."""
     dtype, tf32 = (torch.float32, True) if name == "tf32" else (getattr(torch, name), False)
     model.code2wav_dit_model.to(dtype)
     for carveout in (0, 32):
         decoder = models.Token2Wav(model, voices, device, window=48, first_window=24, max_window=max_window,
-                                   tf32=tf32, max_batch=1, cublas_sm_carveout=carveout)
+                                   tf32=tf32, max_batch=max_batch, cublas_sm_carveout=carveout)
         decoder.warm_up()
         for codes in sorted({codes for codes, _ in decoder.window_shapes()}):  # the graphs' lengths on CUDA
             solve = statistics.median(solve_seconds(decoder, codes, 1, limit) for _ in range(5))
             frames = (codes - decoder.right) * decoder.dit.repeats + 2 * decoder.vocoder_context
             mel = torch.zeros(1, decoder.dit.mel_dim, frames, device=device)
             vocoder = statistics.median(vocode_seconds(decoder, mel) for _ in range(5))
-            record(part="token2wav_length", dit_dtype=name, carveout=carveout, codes=codes,
+            record(part="token2wav_length", dit_dtype=name, carveout=carveout, codes=codes, max_batch=max_batch,
                    solve_ms=round(1000 * solve, 2), vocoder_ms=round(1000 * vocoder, 2))
 
 

@@ -14,7 +14,7 @@ from omnistage.engine.types import StageInput
 from omnistage.families.causal_lm import build_ar_engine
 from omnistage.families.registry import detect_family
 from omnistage.sampling_params import SamplingParams
-from omnistage.testing.sync import recording_device_waits
+from omnistage.testing.sync import recording_device_waits, recording_queue_drains
 
 PROMPTS = [[5, 77, 123, 9, 300], [8, 19, 250], [3, 66, 7, 9, 10, 11, 12]]
 SAMPLED = SamplingParams(max_tokens=11, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.3,
@@ -97,15 +97,17 @@ def test_burst_graphs_draw_what_single_steps_draw(tiny_qwen2: str, num_prompts: 
     """On CUDA a burst is one graph replay with the draw captured in it (static columns, the sampler's generator
     registered with the graph). For a batch that fills its graph's bucket, sampled tokens equal single steps'
     (the same noise); a padded batch (3 in a bucket of 4) draws other noise, so there only greedy rows must agree.
-    Launching a burst never waits for the device."""
+    Launching a burst never waits for the device (no sync, and it returns while GPU work queued before it still
+    runs), also when the batch fills only part of the host buffers (max_num_seqs 64: strided host slices)."""
     prompts, greedy = PROMPTS[:num_prompts], SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
     params = [SAMPLED, greedy.with_overrides(repetition_penalty=1.2), SAMPLED][:num_prompts]
     family, info = detect_family(tiny_qwen2)
-    runs, waits = {}, []
+    runs, waits, drains = {}, [], []
     for burst in (1, 4):
-        stage = {"max_model_len": 128, "overlap_sampled": True, "decode_burst": burst}
+        stage = {"max_model_len": 128, "overlap_sampled": True, "decode_burst": burst, "max_num_seqs": 64}
         engine = build_ar_engine(family.pipeline(info, load_deploy_config({"stages": {"lm": stage}})), "lm")
-        engine.runner.launch_burst = recording_device_waits(engine.runner.launch_burst, waits)
+        engine.runner.launch_burst = recording_queue_drains(
+            recording_device_waits(engine.runner.launch_burst, waits), drains)
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 engine.add_request(StageInput(str(i), prompt, params=p))
@@ -117,7 +119,7 @@ def test_burst_graphs_draw_what_single_steps_draw(tiny_qwen2: str, num_prompts: 
         finally:
             engine.shutdown()
     (single, _, _), (burst, burst_steps, captured) = runs[1], runs[4]
-    assert captured and burst_steps >= 8 and not waits
+    assert captured and burst_steps >= 8 and not waits and not drains
     assert burst["1"] == single["1"]
     if num_prompts == 2:
         assert burst == single

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omnistage import Omni, SamplingParams
 from omnistage.engine.ar.sampler import Sampler, SampleRow, apply_penalties
-from omnistage.testing.sync import recording_device_waits
+from omnistage.testing.sync import recording_device_waits, recording_queue_drains
 
 PROMPTS = ["Once upon a time", "The weather today", "Numbers: 1, 2, 3", "Why"]
 
@@ -160,14 +160,15 @@ def test_decoding_in_flight_samples_the_same_tokens(tiny_qwen2: str, greedy_row:
 def test_launching_a_sampled_step_never_waits_for_the_device(tiny_qwen2: str) -> None:
     """The point of a step in flight: launching it (graph replay, hidden rows, device-side penalties, filters,
     draw, history record, token copy) must not synchronise with the GPU. CUDA's sync debug mode turns any wait
-    into an error."""
+    into an error; a launch queued behind GPU spin must return before the spin ends (waits it does not see, e.g.
+    a copy from pageable memory; two rows in max_num_seqs 64's buffers: strided host slices)."""
     from omnistage.config.deploy import load_deploy_config
     from omnistage.engine.types import StageInput
     from omnistage.families.causal_lm import build_ar_engine
     from omnistage.families.registry import detect_family
 
     family, info = detect_family(tiny_qwen2)
-    deploy = {"stages": {"lm": {"max_model_len": 128, "overlap_sampled": True}}}
+    deploy = {"stages": {"lm": {"max_model_len": 128, "overlap_sampled": True, "max_num_seqs": 64}}}
     engine = build_ar_engine(family.pipeline(info, load_deploy_config(deploy)), "lm", hidden_state_layers={"embed": 0})
     params = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.3,
                             frequency_penalty=0.2, bad_token_ids=[5], ignore_eos=True)
@@ -177,13 +178,15 @@ def test_launching_a_sampled_step_never_waits_for_the_device(tiny_qwen2: str) ->
     engine.step()  # prefill: sampled on the host
     engine.step()  # the first step in flight (loads the history)
     waits: list[str] = []
-    engine.runner.launch_decode = recording_device_waits(engine.runner.launch_decode, waits)
+    drains: list[str] = []
+    engine.runner.launch_decode = recording_queue_drains(
+        recording_device_waits(engine.runner.launch_decode, waits), drains)
     try:
         while engine.has_work():
             engine.step()
     finally:
         engine.shutdown()
-    assert not waits
+    assert not waits and not drains
     assert engine.num_overlapped_steps >= 8
 
 
