@@ -196,8 +196,9 @@ def main() -> None:
         model_runner._bucket_sizes = lambda max_batch: [int(b) for b in args.buckets.split(",")]
     if args.ascending:  # the runner captures in `reversed(sizes)` order: the module's name shadows the builtin
         model_runner.reversed = iter
-    if args.capture_only:  # buffers sized for all buckets, graphs captured for these only; "burst:" for the
-        # burst graphs alone (the decode graphs' capture, the runner's first `reversed`, keeps every bucket)
+    if args.capture_only:  # graphs captured for these buckets only (the decode step's buffers sized for all, a burst's
+        # for the largest captured); "burst:": the burst graphs only (the runner's first `reversed`, the decode
+        # graphs' capture, keeps every bucket, so the burst's buffers are sized for all too)
         burst_only = args.capture_only.startswith("burst:")
         only = [int(b) for b in args.capture_only.removeprefix("burst:").split(",")]
         calls = []
