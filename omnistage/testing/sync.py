@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import wraps
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ def device_waits_raise() -> Iterator[None]:
 
 def recording_device_waits(fn: Callable[..., Any], waits: list[str]) -> Callable[..., Any]:
     """`fn`, raising on (and recording in `waits`) any wait for the device during a call."""
+    @wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         with device_waits_raise():
             try:
@@ -39,6 +41,7 @@ def recording_queue_drains(fn: Callable[..., Any], drains: list[str], sleep_cycl
     an asynchronous call the driver may finish only once the stream has drained (CUDA allows it for a copy from
     pageable memory, such as the pageable temporary PyTorch copies a strided slice of a pinned buffer through;
     on an H200 the engine's small copies of that kind did not wait: run 34c)."""
+    @wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         torch.cuda._sleep(sleep_cycles)
         spun = torch.cuda.Event()
