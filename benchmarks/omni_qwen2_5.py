@@ -315,8 +315,19 @@ def probe_arguments(requests_help: str) -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", type=Path, help="a full-size checkpoint (omni_qwen2_5.py writes one)")
     ap.add_argument("--requests", type=int, default=3, help=requests_help)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a deploy-config field")
+    ap.add_argument("--graph-buckets", help="AR stages capture decode graphs for only these batch sizes, e.g. 1 "
+                                            "(a diagnostic: run 34's batch-1 graphs beside other sizes' ones)")
     ap.add_argument("--out")
     return ap
+
+
+def only_graph_buckets(buckets: str | None) -> None:
+    """A diagnostic: every AR stage built after this captures decode (and burst) graphs for only these batch sizes
+    ("1,64"); larger batches then run eagerly. None: the runner's buckets."""
+    if buckets:
+        import omnistage.engine.ar.model_runner as model_runner
+
+        model_runner._bucket_sizes = lambda max_batch: [int(b) for b in buckets.split(",")]
 
 
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,

@@ -20,6 +20,7 @@ from omni_qwen2_5 import (
     engine_events,
     one_at_a_time_deploy,
     one_request,
+    only_graph_buckets,
     parse_settings,
     probe_arguments,
     request_params,
@@ -97,6 +98,7 @@ class Trace:
 
 def main() -> None:
     args = probe_arguments("one after another; the first warms up").parse_args()
+    only_graph_buckets(args.graph_buckets)
     path = checkpoint_path(args.tiny, args.checkpoint)
     settings = parse_settings(args.set)
     deploy = one_at_a_time_deploy(settings)
@@ -109,7 +111,8 @@ def main() -> None:
         for n in range(args.requests):
             trace.begin()
             result = asyncio.run(one_request(engine_events(engine, f"tail{n}", params)))
-            record(part="tail_trace", request=n, settings=settings, e2e_s=round(result["e2e"], 4),
+            record(part="tail_trace", request=n, settings=settings, graph_buckets=args.graph_buckets,
+                   e2e_s=round(result["e2e"], 4),
                    last_text_s=round(result["last_text"], 4), chunks=result["chunks"], events=trace.finish())
     finally:
         engine.shutdown()

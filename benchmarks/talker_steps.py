@@ -22,7 +22,7 @@ from pathlib import Path
 
 import stand_in
 import torch
-from omni_qwen2_5 import apply_settings, checkpoint_path, parse_settings
+from omni_qwen2_5 import apply_settings, checkpoint_path, only_graph_buckets, parse_settings
 from recording import recorder
 
 from omnistage.config.deploy import load_deploy_config
@@ -192,8 +192,7 @@ def main() -> None:
     record = recorder(args.out)
     import omnistage.engine.ar.model_runner as model_runner
 
-    if args.buckets:
-        model_runner._bucket_sizes = lambda max_batch: [int(b) for b in args.buckets.split(",")]
+    only_graph_buckets(args.buckets)
     if args.ascending:  # the runner captures in `reversed(sizes)` order: the module's name shadows the builtin
         model_runner.reversed = iter
     if args.capture_only:  # graphs captured for these buckets only (the decode step's buffers sized for all, a burst's

@@ -21,7 +21,15 @@ import asyncio
 import time
 from pathlib import Path
 
-from omni_qwen2_5 import PROMPT, checkpoint_path, one_at_a_time_deploy, parse_settings, probe_arguments, request_params
+from omni_qwen2_5 import (
+    PROMPT,
+    checkpoint_path,
+    one_at_a_time_deploy,
+    only_graph_buckets,
+    parse_settings,
+    probe_arguments,
+    request_params,
+)
 from recording import recorder
 
 from omnistage import AsyncOmni
@@ -82,6 +90,7 @@ def main() -> None:
     ap.add_argument("--engine-only", action="store_true", help="the thinker's engine alone, with and without the "
                     "hidden states the talker needs")
     args = ap.parse_args()
+    only_graph_buckets(args.graph_buckets)
     record = recorder(args.out)
     path = checkpoint_path(args.tiny, args.checkpoint)
     params = request_params(path, THINKER_TOKENS, CODES)
@@ -98,7 +107,8 @@ def main() -> None:
         for _ in range(args.requests):
             for kind, modalities in kinds.items():
                 row = asyncio.run(one_request(engine, params, modalities))
-                record(part="thinker_phase", request=kind, settings=settings, **row)
+                record(part="thinker_phase", request=kind, settings=settings, graph_buckets=args.graph_buckets,
+                       **row)
     finally:
         engine.shutdown()
 
