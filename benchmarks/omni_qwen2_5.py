@@ -323,7 +323,8 @@ def probe_arguments(requests_help: str) -> argparse.ArgumentParser:
 
 def only_graph_buckets(buckets: str | None) -> None:
     """A diagnostic: every AR stage built after this captures decode (and burst) graphs for only these batch sizes
-    ("1,64"); larger batches then run eagerly. None: the runner's buckets."""
+    ("1,64"). Only for probes that decode no larger batch than the largest of them (the runner would look for a
+    graph that is not there). None: the runner's buckets."""
     if buckets:
         import omnistage.engine.ar.model_runner as model_runner
 
