@@ -15,6 +15,7 @@ import asyncio
 import time
 
 import torch
+from graph_crowd import other_context
 from omni_qwen2_5 import (
     checkpoint_path,
     engine_events,
@@ -97,7 +98,10 @@ class Trace:
 
 
 def main() -> None:
-    args = probe_arguments("one after another; the first warms up").parse_args()
+    ap = probe_arguments("one after another; the first warms up")
+    ap.add_argument("--reset-context", choices=("thread", "process"),
+                    help="before each request, another CUDA context runs once on the device (graph_crowd.py, run 35)")
+    args = ap.parse_args()
     only_graph_buckets(args.graph_buckets)
     path = checkpoint_path(args.tiny, args.checkpoint)
     settings = parse_settings(args.set)
@@ -109,6 +113,8 @@ def main() -> None:
     engine = AsyncOmni(path, deploy)
     try:
         for n in range(args.requests):
+            if args.reset_context:  # run 35: replays slow once a process captured graphs, till another context ran
+                other_context(torch.cuda.current_device(), args.reset_context)
             trace.begin()
             result = asyncio.run(one_request(engine_events(engine, f"tail{n}", params)))
             record(part="tail_trace", request=n, settings=settings, graph_buckets=args.graph_buckets,

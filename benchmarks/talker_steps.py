@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import time
 from pathlib import Path
 
 import stand_in
 import torch
+from graph_crowd import other_context
 from omni_qwen2_5 import apply_settings, checkpoint_path, only_graph_buckets, parse_settings
 from recording import recorder
 
@@ -50,7 +52,7 @@ def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: Sa
 def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_profile: bool = False,
         kernel_profile: bool = False, eager: bool = False, burst: int = 1, beside_solve: str | None = None,
         settings: dict | None = None, prompt_len: int = 156, replays: int = 0,
-        crowd: tuple[tuple[int, int], ...] = ()) -> None:
+        crowd: tuple[str, ...] = ()) -> None:
     family, info = detect_family(path)
     fields = {"stages": {"talker": {"max_model_len": 2048, "max_num_seqs": max(batch, 1),
                                     "overlap_sampled": overlap_sampled, "decode_burst": burst,
@@ -92,10 +94,10 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
             graph = engine.runner.burst_graphs[min(b for b in engine.runner.burst_graphs if b >= batch)]
             record(part="burst_replays", batch=batch, replays=replays, settings=settings,
                    ms_per_replay=replay_ms(graph, replays))
-            for graphs, nodes in crowd:  # then beside other captured graphs, unrelated to it
-                kept = captured_graphs(graphs, nodes, engine.device)
-                record(part="burst_replays", batch=batch, replays=replays, settings=settings,
-                       other_graphs=len(kept), their_nodes=graphs * nodes, ms_per_replay=replay_ms(graph, replays))
+            for action in crowd:  # then after each action, in order (graphs kept for the process, run 34/35)
+                kept = crowd_action(action, engine.device)
+                record(part="burst_replays", batch=batch, replays=replays, settings=settings, after=action,
+                       other_graphs=len(kept), ms_per_replay=replay_ms(graph, replays))
         record(part="talker_steps", batch=batch, codes=codes, overlap_sampled=overlap_sampled, decode_burst=burst,
                eager=eager, steps=steps, ms_per_step=round(1000 * seconds / max(steps, 1), 3),
                ms_per_code=round(1000 * seconds * batch / max(drawn, 1), 3),
@@ -122,17 +124,40 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
 _crowd: list[torch.cuda.CUDAGraph] = []  # kept for the process: each --crowd step adds to the ones before
 
 
-def captured_graphs(graphs: int, nodes: int, device: torch.device) -> list[torch.cuda.CUDAGraph]:
-    """`graphs` more CUDA graphs of `nodes` one-element additions each, captured and kept (never replayed):
-    does a graph replay slow down as a process instantiates more graph nodes (run 34: the talker's batch-1
-    burst graph replayed 4% slower once graphs for other batch sizes were captured)?"""
+def crowd_action(action: str, device: torch.device) -> list[torch.cuda.CUDAGraph]:
+    """One --crowd step: "GxN" captures G more graphs of N one-element additions each and keeps them (never
+    replayed); "own" captures one of one addition as omnistage's runners capture (a stream of its own,
+    thread-local mode); "eager" runs 1,000 additions without a graph; "other_context" runs another CUDA context
+    once; "gc" and "empty_cache" do what `torch.cuda.graph` does on entering; "drop" lets every kept graph go.
+    Does a graph replay slow down as a process instantiates other graphs (run 34: the talker's batch-1 burst
+    graph replayed 4% slower once graphs for other batch sizes were captured)? Returns the graphs kept."""
     x = torch.zeros(1, device=device)
-    for _ in range(graphs):
+    if action == "eager":
+        for _ in range(1000):
+            x.add_(1)
+    elif action == "gc":
+        gc.collect()
+    elif action == "other_context":  # another CUDA context runs once on the device (graph_crowd.py, run 35)
+        other_context(device.index or 0)
+    elif action == "empty_cache":
+        torch.cuda.empty_cache()
+    elif action == "own":  # one single-kernel graph captured as the runners capture theirs
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(nodes):
-                x.add_(1)
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
+            x.add_(1)
         _crowd.append(graph)
+    elif action == "drop":
+        _crowd.clear()
+        gc.collect()
+    else:
+        graphs, nodes = (int(v) for v in action.split("x"))
+        for _ in range(graphs):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(nodes):
+                    x.add_(1)
+            _crowd.append(graph)
+    torch.cuda.synchronize(device)
     return _crowd
 
 
@@ -178,8 +203,8 @@ def main() -> None:
                          "cuBLAS, the default, or in small Triton tiles)")
     ap.add_argument("--buckets", help="capture decode graphs for only these batch sizes (a diagnostic), e.g. 1,64")
     ap.add_argument("--replays", type=int, default=0, help="then time the burst graph alone, this many replays")
-    ap.add_argument("--crowd", default="", help="with --replays: again after capturing GRAPHSxNODES more graphs "
-                                                "of small kernels, each step adding to the last: 1x1000,4x1000")
+    ap.add_argument("--crowd", default="", help="with --replays: again after each step, in order: GRAPHSxNODES "
+                    "(more graphs of small kernels, kept), eager, gc, empty_cache, drop: 1x1,1x1000,drop")
     ap.add_argument("--capture-only", help="with --buckets: capture graphs for only these of them (a diagnostic)")
     ap.add_argument("--ascending", action="store_true", help="capture the smallest batch's graphs first (a diagnostic)")
     ap.add_argument("--prompt-len", type=int, default=156, help="the thinker prompt rows the talker prefills")
@@ -214,7 +239,7 @@ def main() -> None:
             for overlap_sampled in (True,) if burst > 1 or args.kernel_profile else (False, True):
                 run(path, batch, args.codes, overlap_sampled, record, args.host_profile, args.kernel_profile,
                     args.eager, burst, args.beside_solve, parse_settings(args.set), args.prompt_len,
-                    args.replays, tuple(tuple(int(v) for v in c.split("x")) for c in args.crowd.split(",") if c))
+                    args.replays, tuple(c for c in args.crowd.split(",") if c))
 
 
 if __name__ == "__main__":
