@@ -1,10 +1,13 @@
-"""Does a CUDA graph's replay slow down once the process captures another graph? (run 35: the talker's batch-1
-burst graph replays 8.90 ms alone, 9.30 once any other graph, even one of a single kernel, was captured after it;
-letting that graph go did not bring the 8.90 back.) The same question on a decode-like chain in plain torch, so
-it can be asked of the driver without omnistage: each case runs in a fresh process, a list of steps, and times the
-chain's replay after each.
+"""Why does a CUDA graph's replay slow down in a process that does other things? Run 34 found the talker's batch-1
+burst graph 4% slower once graphs for other batch sizes were captured; run 35 found one capture of one kernel
+enough, and then the same in plain torch: a decode-like chain of ~1,500 kernels (skinny cuBLAS matmuls streaming
+11 GB a replay) replays ~7% slower (9.15 -> 9.78 ms on an H200) once the process captures another graph or runs a
+kernel on another stream, the kernels' own time unchanged; another CUDA context running once on the device ends it
+(`other_context`). Each case runs in a process of its own: a list of steps (methods of `Probe`), the timed graph's
+replay time after each, with nvidia-smi's clocks. Results: benchmarks/results/omni_qwen2_5.md, "Run 35".
 
     python benchmarks/graph_crowd.py --out benchmarks/results/graph_crowd-h200-DATE.jsonl
+    python benchmarks/graph_crowd.py --cases side_work,own_context
 """
 
 from __future__ import annotations
@@ -36,6 +39,20 @@ CASES = {  # name: (steps, environment); "first:S" is taken before the timed cha
     "other_process_after": ("graph,other_process,other_context", {}),
     "big_alloc": ("big_alloc,graph", {}),
     "own_context": ("graph,own_context,graph,own_context", {}),
+    # what else, besides a capture, puts a process in the slow state (serving captures nothing)?
+    "side_work": ("side_work", {}),
+    "concurrent": ("concurrent", {}),
+    "pinned_copies": ("pinned_copies", {}),
+    "priority_stream": ("priority_stream", {}),
+    "cross_stream_event": ("cross_stream_event", {}),
+    "cublas": ("cublas", {}),
+    "new_segment": ("new_segment", {}),
+    "side_work_one_connection": ("side_work,concurrent", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+    "side_work_32_connections": ("side_work,concurrent", {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}),
+    "threads_after_reset": ("own_context,thread_work,thread_stream_work,priority_stream,side_replay,thread_capture",
+                            {}),
+    "request_like_after_reset": ("own_context,d2h_event,cublas_side,pdl_eager,pdl_side", {}),
+    "side_work_after_reset": ("side_work,own_context,side_work,own_context,concurrent", {}),
     "deferred": ("timed:deferred,captured,chain_deferred,instantiate_all,graph", {}),
     "own_stream": ("own,own,recapture", {}),
     "shared_pool": ("pool,pool", {}),
@@ -112,7 +129,7 @@ def gpu_clocks() -> str:
     return done.stdout.strip() or done.stderr.strip()[-200:]
 
 
-def upload(torch, graph, stream) -> None:
+def upload(graph, stream) -> None:
     """cuGraphUpload: the graph's executable set up on the device in `stream` ahead of a launch there."""
     import ctypes
 
@@ -173,92 +190,206 @@ def as_row(ms_and_clocks: tuple[float, str]) -> dict:
     return dict(zip(("ms", "clocks"), ms_and_clocks, strict=True))
 
 
+class Probe:
+    """One process's timed graph (`timed`: "chain", "short", "adds", or "deferred": a chain captured but not yet
+    instantiated), the graphs kept beside it, and one method per step, named as the step."""
+
+    def __init__(self, torch, timed: str, first: list[str]) -> None:
+        self.torch, self.kept, self.memory = torch, [], []
+        self.x = torch.zeros(1, device="cuda")
+        self.replay_stream = torch.cuda.current_stream()
+        for name in first:  # "first:NAME": graphs captured before the timed one
+            self.kept.append({"graph": self.tiny_graph, "short": lambda: chain_graph(torch, steps=1)[0],
+                              "adds": lambda: add_chain(torch), "chain": lambda: chain_graph(torch)[0]}[name]())
+        self.timed_graph = {"chain": lambda: chain_graph(torch)[0], "short": lambda: chain_graph(torch, steps=1)[0],
+                      "adds": lambda: add_chain(torch),
+                      "deferred": lambda: chain_graph(torch, instantiate=False)[0]}[timed]()
+
+    def tiny_graph(self, keep_graph: bool = False, **capture):
+        """A graph of one one-element addition (`capture`: torch.cuda.graph's stream, pool, capture mode)."""
+        graph = self.torch.cuda.CUDAGraph(keep_graph=keep_graph)
+        with self.torch.cuda.graph(graph, **capture):
+            self.x.add_(1)
+        return graph
+
+    def on_side_stream(self, fn, priority: int = 0, thread: bool = False) -> None:
+        """`fn()` on a new stream; from a new host thread with `thread` (as inline stage workers launch)."""
+        torch = self.torch
+
+        def run() -> None:
+            with torch.cuda.stream(torch.cuda.Stream(priority=priority)):
+                fn()
+            torch.cuda.synchronize()
+
+        if not thread:
+            return run()
+        import threading
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+
+    # captures and graphs
+    def graph(self) -> None:  # torch's defaults: its shared capture stream, global capture mode, a new pool
+        self.kept.append(self.tiny_graph())
+
+    def own(self) -> None:  # as omnistage's runners capture: a stream of its own, thread-local mode
+        self.kept.append(self.tiny_graph(stream=self.torch.cuda.Stream(), capture_error_mode="thread_local"))
+
+    def pool(self) -> None:  # in the timed graph's memory pool
+        self.kept.append(self.tiny_graph(pool=self.timed_graph.pool()))
+
+    def replayed(self) -> None:
+        self.graph()
+        self.kept[-1].replay()
+
+    def captured(self) -> None:  # captured, not instantiated
+        self.kept.append(self.tiny_graph(keep_graph=True))
+
+    def instantiate(self) -> None:  # the last graph kept
+        self.kept[-1].instantiate()
+
+    def chain(self) -> None:  # a second chain, as big as the first
+        self.kept.append(chain_graph(self.torch)[0])
+
+    def chain_deferred(self) -> None:  # another chain, captured, not instantiated
+        self.kept.append(chain_graph(self.torch, instantiate=False)[0])
+
+    def instantiate_all(self) -> None:  # "timed:deferred": the timed chain, then the others, only now
+        for graph in [self.timed_graph, *self.kept]:
+            graph.instantiate()
+
+    def drop(self) -> None:
+        self.kept.clear()
+
+    def recapture(self) -> None:  # the chain captured anew, after the others (the old one let go)
+        self.timed_graph = chain_graph(self.torch)[0]
+
+    def recapture_kept(self) -> None:  # the same, the old one kept
+        self.kept.append(self.timed_graph)
+        self.recapture()
+
+    def reinstantiate(self) -> None:  # the timed chain's executable made anew from its kept graph
+        self.timed_graph.instantiate()
+
+    def upload(self) -> None:
+        upload(self.timed_graph, self.replay_stream)
+
+    def fresh_stream(self) -> None:  # the timed chain replayed on a new stream from here on
+        self.replay_stream = self.torch.cuda.Stream()
+
+    def thread_capture(self) -> None:
+        self.on_side_stream(self.own, thread=True)
+
+    def side_replay(self) -> None:  # a graph replayed on another stream
+        self.graph()
+        self.on_side_stream(self.kept[-1].replay)
+
+    # work outside graphs
+    def stream(self) -> None:  # a stream made, no work on it
+        self.torch.cuda.Stream()
+
+    def eager(self) -> None:
+        self.x.add_(1)
+
+    def side_work(self) -> None:  # a kernel on another stream
+        self.on_side_stream(self.eager)
+
+    def thread_work(self) -> None:  # a kernel from another host thread, on its current stream
+        import threading
+
+        worker = threading.Thread(target=lambda: (self.eager(), self.torch.cuda.synchronize()))
+        worker.start()
+        worker.join()
+
+    def thread_stream_work(self) -> None:
+        self.on_side_stream(self.eager, thread=True)
+
+    def priority_stream(self) -> None:
+        self.on_side_stream(self.eager, priority=-1)
+
+    def concurrent(self) -> None:  # the timed chain on this stream while additions run on another
+        self.timed_graph.replay()
+        self.on_side_stream(lambda: [self.x.add_(1) for _ in range(2000)])
+
+    def cross_stream_event(self) -> None:  # another stream waits on this one's event, then works
+        torch, side = self.torch, self.torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.x.add_(1)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def cublas(self) -> None:  # an eager matmul on this stream
+        a = self.torch.randn(64, 4096, device="cuda", dtype=self.torch.bfloat16)
+        a @ a.T
+
+    def cublas_side(self) -> None:
+        self.on_side_stream(self.cublas)
+
+    def pdl_eager(self) -> None:  # omnistage's skinny GEMM (launched with PDL) outside a graph
+        from omnistage.kernels.skinny_gemm import linear
+
+        torch = self.torch
+        linear(torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16),
+               torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16))
+
+    def pdl_side(self) -> None:
+        self.on_side_stream(self.pdl_eager)
+
+    def pinned_copies(self) -> None:  # pinned host memory, a copy each way without blocking
+        host = self.torch.zeros(1 << 20, pin_memory=True)
+        host.copy_(host.to("cuda", non_blocking=True), non_blocking=True)
+
+    def d2h_event(self) -> None:  # a copy to pinned memory and a timing event waited on
+        torch = self.torch
+        torch.empty(1 << 16, pin_memory=True).copy_(torch.ones(1 << 16, device="cuda"), non_blocking=True)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
+        done.synchronize()
+
+    # memory, time, other contexts
+    def new_segment(self) -> None:  # the caching allocator asks the driver for 3 GB more, kept
+        self.memory.append(self.torch.empty(3 << 30, dtype=self.torch.uint8, device="cuda"))
+
+    def big_alloc(self) -> None:  # 20 GB taken and given back to the driver
+        self.torch.empty(20 << 30, dtype=self.torch.uint8, device="cuda")
+        self.torch.cuda.empty_cache()
+
+    def sleep(self) -> None:
+        time.sleep(10)
+
+    def other_process(self) -> None:  # another process on the GPU captures a graph and exits
+        subprocess.run([sys.executable, "-c", "import torch; x = torch.zeros(1, device='cuda')\n"
+                        "with torch.cuda.graph(torch.cuda.CUDAGraph()): x.add_(1)"], check=True)
+
+    def other_context(self) -> None:  # another process only makes a CUDA context and exits
+        other_context(self.torch.cuda.current_device(), "process")
+
+    def own_context(self) -> None:  # this process makes a second CUDA context, runs a memset in it, destroys it
+        other_context(self.torch.cuda.current_device())
+
+
 def one_case(steps: str) -> list[dict]:
-    """In this process: the chain's replay time alone, then after each step."""
+    """In this process: the timed graph's replay time alone, then after each step ("profile": the kernels' own
+    time instead)."""
     import torch
 
-    kept, x = [], torch.zeros(1, device="cuda")
-
-    def tiny(**kwargs) -> torch.cuda.CUDAGraph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, **kwargs):
-            x.add_(1)
-        kept.append(g)
-        return g
-
-    before = [s.removeprefix("first:") for s in steps.split(",") if s.startswith("first:")]
-    for step in before:
-        first = {"graph": tiny, "short": lambda: chain_graph(torch, steps=1)[0], "adds": lambda: add_chain(torch),
-                 "chain": lambda: chain_graph(torch)[0]}[step]()
-        if not kept or kept[-1] is not first:
-            kept.append(first)
-    timed = next((s.removeprefix("timed:") for s in steps.split(",") if s.startswith("timed:")), "chain")
-    graph = {"chain": lambda: chain_graph(torch)[0], "short": lambda: chain_graph(torch, steps=1)[0],
-             "adds": lambda: add_chain(torch), "deferred": lambda: chain_graph(torch, instantiate=False)[0]}[timed]()
-    stream = torch.cuda.current_stream()
-    out = [] if timed == "deferred" else [{"after": "nothing", "other_graphs": len(kept),
-                                             **as_row(replay_ms(torch, graph))}]
-    for step in (s for s in steps.split(",") if not s.startswith(("first:", "timed:"))):
-        if step == "graph":  # torch's defaults: its shared capture stream, global capture mode, a new pool
-            tiny()
-        elif step == "own":  # as omnistage's runners capture: a stream of its own, thread-local mode
-            tiny(stream=torch.cuda.Stream(), capture_error_mode="thread_local")
-        elif step == "pool":
-            tiny(pool=graph.pool())
-        elif step == "replayed":
-            tiny().replay()
-        elif step == "stream":
-            torch.cuda.Stream()
-        elif step == "eager":
-            x.add_(1)
-        elif step == "drop":
-            kept.clear()
-        elif step == "recapture":  # the chain captured anew, after the others (the old one let go)
-            graph = chain_graph(torch)[0]
-        elif step == "recapture_kept":  # the same, the old one kept
-            kept.append(graph)
-            graph = chain_graph(torch)[0]
-        elif step == "sleep":
-            time.sleep(10)
-        elif step == "other_process":  # another process on the GPU captures a graph and exits
-            code = "import torch; x = torch.zeros(1, device='cuda'); g = torch.cuda.CUDAGraph()\n" \
-                   "with torch.cuda.graph(g): x.add_(1)"
-            subprocess.run([sys.executable, "-c", code], check=True)
-        elif step == "other_context":  # another process only makes a CUDA context and exits
-            subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1, device='cuda')"], check=True)
-        elif step == "own_context":  # this process makes a second CUDA context, runs a memset in it, destroys it
-            other_context(torch.cuda.current_device())
-        elif step == "big_alloc":  # 20 GB taken and given back to the driver
-            y = torch.empty(20 << 30, dtype=torch.uint8, device="cuda")
-            del y
-            torch.cuda.empty_cache()
-        elif step == "captured":  # captured, not instantiated
-            g = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(g):
-                x.add_(1)
-            kept.append(g)
-        elif step == "instantiate":  # the last one kept
-            kept[-1].instantiate()
-        elif step == "chain_deferred":  # another chain, captured, not instantiated
-            kept.append(chain_graph(torch, instantiate=False)[0])
-        elif step == "instantiate_all":  # "timed:deferred": the timed chain, then the others, only now
-            for g in [graph, *kept]:
-                g.instantiate()
-        elif step == "reinstantiate":  # the timed chain's executable made anew from its kept graph
-            graph.instantiate()
-        elif step == "upload":
-            upload(torch, graph, stream)
-        elif step == "fresh_stream":  # the timed chain replayed on a new stream from here on
-            stream = torch.cuda.Stream()
-        elif step == "chain":  # a second chain, as big as the first
-            kept.append(chain_graph(torch)[0])
+    names = steps.split(",")
+    timed = next((s.removeprefix("timed:") for s in names if s.startswith("timed:")), "chain")
+    probe = Probe(torch, timed, [s.removeprefix("first:") for s in names if s.startswith("first:")])
+    out = [] if timed == "deferred" else [{"after": "nothing", "other_graphs": len(probe.kept),
+                                           **as_row(replay_ms(torch, probe.timed_graph))}]
+    for step in (s for s in names if not s.startswith(("first:", "timed:"))):
+        if step != "profile":
+            getattr(probe, step)()
         torch.cuda.synchronize()
-        if step in ("captured", "chain_deferred") and timed == "deferred":
+        if timed == "deferred" and step in ("captured", "chain_deferred"):
             continue  # nothing instantiated yet to time
-        if step == "profile":  # the kernels' own time, summed (the profiler may change what follows)
-            out.append({"after": step, "other_graphs": len(kept), "kernel_ms": kernel_ms(torch, graph)})
-            continue
-        out.append({"after": step, "other_graphs": len(kept), **as_row(replay_ms(torch, graph, stream=stream))})
+        row = {"after": step, "other_graphs": len(probe.kept)}
+        if step == "profile":  # the profiler may change what follows: a case of its own
+            out.append({**row, "kernel_ms": kernel_ms(torch, probe.timed_graph)})
+        else:
+            out.append({**row, **as_row(replay_ms(torch, probe.timed_graph, stream=probe.replay_stream))})
     return out
 
 

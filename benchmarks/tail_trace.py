@@ -27,6 +27,7 @@ from omni_qwen2_5 import (
     request_params,
 )
 from recording import recorder
+from talker_steps import replay_ms
 
 from omnistage import AsyncOmni
 from omnistage.engine.ar.engine import AREngine
@@ -41,6 +42,7 @@ class Trace:
         self.events: list[dict] = []
         self.start, self.reference = 0.0, None
         self.cuda = torch.cuda.is_available()
+        self.engines: dict[str, AREngine] = {}  # by stage name, as steps are seen
 
     def begin(self) -> None:
         self.events = []
@@ -67,6 +69,7 @@ class Trace:
         trace, ar_step, launch, landed = self, AREngine.step, Token2Wav.launch, GenerationEngine._landed
 
         def traced_step(engine: AREngine):
+            trace.engines[engine.name] = engine
             began, outputs = trace.now(), ar_step(engine)
             tokens = sum(len(out.token_ids) for out in outputs)
             if tokens or any(out.finished for out in outputs):
@@ -101,6 +104,9 @@ def main() -> None:
     ap = probe_arguments("one after another; the first warms up")
     ap.add_argument("--reset-context", choices=("thread", "process"),
                     help="before each request, another CUDA context runs once on the device (graph_crowd.py, run 35)")
+    ap.add_argument("--replay-check", action="store_true",
+                    help="after each request, time the talker's batch-1 burst graph replayed alone; after the last, "
+                         "again once another CUDA context ran")
     args = ap.parse_args()
     only_graph_buckets(args.graph_buckets)
     path = checkpoint_path(args.tiny, args.checkpoint)
@@ -111,6 +117,11 @@ def main() -> None:
     trace.install()
     params = request_params(path, 128, 600)
     engine = AsyncOmni(path, deploy)
+    def replay_check(when: str) -> None:  # the talker's batch-1 burst graph alone, back to back (run 35)
+        graphs = trace.engines["talker"].runner.burst_graphs if "talker" in trace.engines else {}
+        if graphs:
+            record(part="burst_replays", when=when, ms_per_replay=replay_ms(graphs[1], 200))
+
     try:
         for n in range(args.requests):
             if args.reset_context:  # run 35: replays slow once a process captured graphs, till another context ran
@@ -120,6 +131,11 @@ def main() -> None:
             record(part="tail_trace", request=n, settings=settings, graph_buckets=args.graph_buckets,
                    e2e_s=round(result["e2e"], 4),
                    last_text_s=round(result["last_text"], 4), chunks=result["chunks"], events=trace.finish())
+            if args.replay_check:
+                replay_check(f"after request {n}")
+                if n == args.requests - 1 and torch.cuda.is_available():
+                    other_context(torch.cuda.current_device())
+                    replay_check("after another context ran")
     finally:
         engine.shutdown()
 
