@@ -212,20 +212,16 @@ class Probe:
             self.x.add_(1)
         return graph
 
-    def on_side_stream(self, fn, priority: int = 0, thread: bool = False) -> None:
-        """`fn()` on a new stream; from a new host thread with `thread` (as inline stage workers launch)."""
-        torch = self.torch
+    def on_side_stream(self, fn, priority: int = 0) -> None:
+        """`fn()` on a new stream."""
+        with self.torch.cuda.stream(self.torch.cuda.Stream(priority=priority)):
+            fn()
 
-        def run() -> None:
-            with torch.cuda.stream(torch.cuda.Stream(priority=priority)):
-                fn()
-            torch.cuda.synchronize()
-
-        if not thread:
-            return run()
+    def in_thread(self, fn) -> None:
+        """`fn()` from a new host thread (as omnistage's inline stage workers launch), synchronized there."""
         import threading
 
-        worker = threading.Thread(target=run)
+        worker = threading.Thread(target=lambda: (fn(), self.torch.cuda.synchronize()))
         worker.start()
         worker.join()
 
@@ -279,7 +275,7 @@ class Probe:
         self.replay_stream = self.torch.cuda.Stream()
 
     def thread_capture(self) -> None:
-        self.on_side_stream(self.own, thread=True)
+        self.in_thread(self.own)
 
     def side_replay(self) -> None:  # a graph replayed on another stream
         self.graph()
@@ -296,14 +292,10 @@ class Probe:
         self.on_side_stream(self.eager)
 
     def thread_work(self) -> None:  # a kernel from another host thread, on its current stream
-        import threading
-
-        worker = threading.Thread(target=lambda: (self.eager(), self.torch.cuda.synchronize()))
-        worker.start()
-        worker.join()
+        self.in_thread(self.eager)
 
     def thread_stream_work(self) -> None:
-        self.on_side_stream(self.eager, thread=True)
+        self.in_thread(lambda: self.on_side_stream(self.eager))
 
     def priority_stream(self) -> None:
         self.on_side_stream(self.eager, priority=-1)
