@@ -52,6 +52,9 @@ CASES = {  # name: (steps, environment); "first:S" is taken before the timed cha
     "threads_after_reset": ("own_context,thread_work,thread_stream_work,priority_stream,side_replay,thread_capture",
                             {}),
     "request_like_after_reset": ("own_context,d2h_event,cublas_side,pdl_eager,pdl_side", {}),
+    # prepared, not yet run: what a request does that the steps above do not
+    "request_like_after_reset_2": ("own_context,side_copies,side_event_record,pdl_graph_side,pdl_graph_concurrent",
+                                   {}),
     "side_work_after_reset": ("side_work,own_context,side_work,own_context,concurrent", {}),
     "deferred": ("timed:deferred,captured,chain_deferred,instantiate_all,graph", {}),
     "own_stream": ("own,own,recapture", {}),
@@ -327,6 +330,44 @@ class Probe:
 
     def pdl_side(self) -> None:
         self.on_side_stream(self.pdl_eager)
+
+    def pdl_graph_side(self) -> None:  # a graph of omnistage's PDL-launched GEMMs replayed on another stream
+        from omnistage.kernels.skinny_gemm import linear
+
+        torch = self.torch
+        x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+        linear(x, w)  # compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+            for _ in range(64):
+                x = linear(x, w)
+        graph.keep = (x, w)
+        self.kept.append(graph)
+        self.on_side_stream(graph.replay)
+
+    def pdl_graph_concurrent(self) -> None:  # that graph on another stream while the timed chain runs
+        self.timed_graph.replay()
+        self.on_side_stream(lambda: [self.kept[-1].replay() for _ in range(20)])
+
+    def side_copies(self) -> None:  # host to device, device to host and device to device, on another stream
+        torch = self.torch
+        host = torch.zeros(1 << 20, pin_memory=True)
+
+        def copies() -> None:
+            dev = host.to("cuda", non_blocking=True)
+            dev.clone().copy_(dev)
+            host.copy_(dev, non_blocking=True)
+
+        self.on_side_stream(copies)
+
+    def side_event_record(self) -> None:  # an event recorded on another stream after work, waited on here
+        torch, side = self.torch, self.torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            self.x.add_(1)
+            done = torch.cuda.Event()
+            done.record()
+        torch.cuda.current_stream().wait_event(done)
 
     def pinned_copies(self) -> None:  # pinned host memory, a copy each way without blocking
         host = self.torch.zeros(1 << 20, pin_memory=True)
