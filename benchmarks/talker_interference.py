@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 import yaml
+from graph_crowd import other_context
 from omni_qwen2_5 import DEPLOY, apply_settings, checkpoint_path, parse_settings
 from recording import recorder
-from talker_steps import talker_input
+from talker_steps import replay_ms, talker_input
 
 from omnistage.config.deploy import load_deploy_config
 from omnistage.engine.types import StageInput
@@ -120,6 +121,10 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--modes", default="alone,token2wav_paced,token2wav_loop,thinker",
                     help="which measurements (thinker: thinker_idle and thinker_idle+token2wav_paced)")
+    ap.add_argument("--reset-check", action="store_true",
+                    help="before each measurement another CUDA context runs once on the device; after it, the "
+                         "talker's batch-1 burst graph is timed alone: which neighbour puts the process back in "
+                         "run 35's slow state?")
     ap.add_argument("--out")
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -141,7 +146,14 @@ def main() -> None:
     window = min(args.window, token2wav.model.max_window) if token2wav.model.max_window else args.window
     talker_ms_per_code(talker, pipeline, params, "warm-up", talker_stream)
 
+    def burst_replay_ms() -> float | None:
+        graphs = talker.runner.burst_graphs
+        return replay_ms(graphs[min(graphs)], 200) if graphs else None
+
     def measure(mode: str, pace: float | None) -> None:
+        if args.reset_check and talker.device.type == "cuda":
+            other_context(talker.device.index or 0)
+            record(part="burst_replays", before=mode, after_reset=True, ms_per_replay=burst_replay_ms())
         part = mode.split("_")[0] if mode.startswith(("solve", "vocoder")) else "window"
         load = WindowLoad(token2wav, window, pace, limit, part) if pace is not None else contextlib.nullcontext()
         with load:
@@ -150,6 +162,8 @@ def main() -> None:
         record(part="talker_interference", mode=mode, settings=settings, codes=args.codes, window=window,
                pace_s=pace, talker_ms_per_code=round(ms, 3), windows=len(windows),
                window_ms_median=round(statistics.median(windows), 1) if windows else None)
+        if args.reset_check and talker.device.type == "cuda":
+            record(part="burst_replays", after=mode, ms_per_replay=burst_replay_ms())
 
     for mode, pace in (("alone", None), ("token2wav_paced", args.pace), ("token2wav_loop", 0.0),
                        ("solve_loop", 0.0), ("vocoder_loop", 0.0), ("alone", None)):
