@@ -55,6 +55,7 @@ CASES = {  # name: (steps, environment); "first:S" is taken before the timed cha
     # prepared, not yet run: what a request does that the steps above do not
     "request_like_after_reset_2": ("own_context,side_copies,side_event_record,pdl_graph_side,pdl_graph_concurrent",
                                    {}),
+    "old_graphs_after_reset": ("first:graph,first:short,own_context,first_here,first_side,first_short_side", {}),
     "side_work_after_reset": ("side_work,own_context,side_work,own_context,concurrent", {}),
     "deferred": ("timed:deferred,captured,chain_deferred,instantiate_all,graph", {}),
     "own_stream": ("own,own,recapture", {}),
@@ -276,6 +277,15 @@ class Probe:
 
     def fresh_stream(self) -> None:  # the timed chain replayed on a new stream from here on
         self.replay_stream = self.torch.cuda.Stream()
+
+    def first_here(self) -> None:  # the first graph kept ("first:graph", captured before any reset), replayed here
+        self.kept[0].replay()
+
+    def first_side(self) -> None:  # the same on another stream
+        self.on_side_stream(self.kept[0].replay)
+
+    def first_short_side(self) -> None:  # "first:short" (a cuBLAS graph from before a reset) on another stream
+        self.on_side_stream(self.kept[1].replay)
 
     def thread_capture(self) -> None:
         self.in_thread(self.own)
