@@ -56,6 +56,7 @@ CASES = {  # name: (steps, environment); "first:S" is taken before the timed cha
     "request_like_after_reset_2": ("own_context,side_copies,side_event_record,pdl_graph_side,pdl_graph_concurrent",
                                    {}),
     "old_graphs_after_reset": ("first:graph,first:short,own_context,first_here,first_side,first_short_side", {}),
+    "kept_context": ("side_work,second_context,poke,side_work,poke,concurrent,poke", {}),
     "side_work_after_reset": ("side_work,own_context,side_work,own_context,concurrent", {}),
     "deferred": ("timed:deferred,captured,chain_deferred,instantiate_all,graph", {}),
     "own_stream": ("own,own,recapture", {}),
@@ -154,6 +155,59 @@ def kernel_ms(torch, graph, replays: int = 10) -> float:
     return round(sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / replays, 4)
 
 
+class SecondContext:
+    """A CUDA context of this process's own beside torch's primary one, made and used on a thread of its own (the
+    driver API: torch never sees it). `poke()` runs a 4-byte memset in it and waits, so the GPU switches to it and
+    back; `close()` destroys it."""
+
+    def __init__(self, device_index: int) -> None:
+        import queue
+        import threading
+
+        self.requests, self.replies = queue.Queue(), queue.Queue()
+        self.thread = threading.Thread(target=self._serve, args=(device_index,), daemon=True)
+        self.thread.start()
+        self._reply()
+
+    def _serve(self, device_index: int) -> None:
+        import ctypes
+
+        dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+
+        def calls(*fns) -> None:
+            for fn in fns:
+                if err := fn():
+                    raise RuntimeError(f"CUDA driver call failed: {err}")
+
+        try:
+            cu = ctypes.CDLL("libcuda.so.1")
+            calls(lambda: cu.cuInit(0), lambda: cu.cuDeviceGet(ctypes.byref(dev), device_index),
+                  lambda: cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), lambda: cu.cuMemAlloc_v2(ctypes.byref(ptr), 4))
+            self.replies.put(None)
+            while self.requests.get() == "poke":
+                calls(lambda: cu.cuMemsetD8_v2(ptr, 0, 4), lambda: cu.cuCtxSynchronize())
+                self.replies.put(None)
+            calls(lambda: cu.cuMemFree_v2(ptr), lambda: cu.cuCtxDestroy_v2(ctx))
+            self.replies.put(None)
+        except Exception as e:  # noqa: BLE001 - raised again in the caller's thread
+            self.replies.put(e)
+
+    def _reply(self) -> None:
+        if (error := self.replies.get()) is not None:
+            raise error
+
+    def poke(self) -> None:
+        self.requests.put("poke")
+        self._reply()
+
+    def close(self) -> None:
+        if not self.thread.is_alive():  # it failed (raised in poke) and ended
+            return
+        self.requests.put("close")
+        self._reply()
+        self.thread.join()
+
+
 def other_context(device_index: int, how: str = "thread") -> None:
     """A CUDA context other than this process's (torch's primary one) made on the device, given a little work,
     and destroyed: "thread" from a thread of this process (driver API), "process" by a child process."""
@@ -161,33 +215,9 @@ def other_context(device_index: int, how: str = "thread") -> None:
         subprocess.run([sys.executable, "-c", f"import torch; torch.zeros(1, device='cuda:{device_index}')"],
                        check=True)
         return
-    import ctypes
-    import threading
-
-    def run() -> None:
-        cu = ctypes.CDLL("libcuda.so.1")
-        dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
-        steps = [lambda: cu.cuInit(0), lambda: cu.cuDeviceGet(ctypes.byref(dev), device_index),
-                 lambda: cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev),
-                 lambda: cu.cuMemAlloc_v2(ctypes.byref(ptr), 4), lambda: cu.cuMemsetD8_v2(ptr, 0, 4),
-                 lambda: cu.cuCtxSynchronize(), lambda: cu.cuMemFree_v2(ptr), lambda: cu.cuCtxDestroy_v2(ctx)]
-        for i, step in enumerate(steps):
-            if err := step():
-                raise RuntimeError(f"CUDA driver call {i} failed: {err}")
-
-    errors = []
-
-    def target() -> None:
-        try:
-            run()
-        except Exception as e:  # noqa: BLE001 - raised again in the caller's thread
-            errors.append(e)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
+    second = SecondContext(device_index)
+    second.poke()
+    second.close()
 
 
 def as_row(ms_and_clocks: tuple[float, str]) -> dict:
@@ -410,6 +440,12 @@ class Probe:
 
     def own_context(self) -> None:  # this process makes a second CUDA context, runs a memset in it, destroys it
         other_context(self.torch.cuda.current_device())
+
+    def second_context(self) -> None:  # a second context made and kept, no work in it yet
+        self.second = SecondContext(self.torch.cuda.current_device())
+
+    def poke(self) -> None:  # a memset in the kept second context
+        self.second.poke()
 
 
 def one_case(steps: str) -> list[dict]:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from graph_crowd import other_context
+from graph_crowd import SecondContext, other_context
 from omni_qwen2_5 import DEPLOY, apply_settings, checkpoint_path, parse_settings
 from recording import recorder
 from talker_steps import replay_ms, talker_input
@@ -94,6 +94,31 @@ class WindowLoad:
             self.decoder.vocode = self._vocode
 
 
+class Poking:
+    """A second CUDA context (graph_crowd.SecondContext) given a 4-byte memset every `every` seconds, on a thread
+    of its own, while the block runs."""
+
+    def __init__(self, device_index: int, every: float):
+        self.device_index, self.every, self.pokes = device_index, every, 0
+        self.stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            self.second.poke()
+            self.pokes += 1
+
+    def __enter__(self) -> Poking:
+        self.second = SecondContext(self.device_index)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.second.close()
+
+
 def talker_ms_per_code(engine, pipeline, params: SamplingParams, tag: str, s) -> float:
     """One request's codes after its (whole) reply, decoded on stream `s`: milliseconds per code."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -125,6 +150,9 @@ def main() -> None:
                     help="before each measurement another CUDA context runs once on the device; after it, the "
                          "talker's batch-1 burst graph is timed alone: which neighbour puts the process back in "
                          "run 35's slow state?")
+    ap.add_argument("--poke-every", type=float, default=0.0, metavar="SECONDS",
+                    help="during each measurement, a memset in a second CUDA context this often (the GPU switches "
+                         "to it and back): does it keep run 35's slow state away, and what does it cost?")
     ap.add_argument("--out")
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -156,12 +184,15 @@ def main() -> None:
             record(part="burst_replays", before=mode, after_reset=True, ms_per_replay=burst_replay_ms())
         part = mode.split("_")[0] if mode.startswith(("solve", "vocoder")) else "window"
         load = WindowLoad(token2wav, window, pace, limit, part) if pace is not None else contextlib.nullcontext()
-        with load:
+        poking = (Poking(talker.device.index or 0, args.poke_every)
+                  if args.poke_every and talker.device.type == "cuda" else contextlib.nullcontext())
+        with load, poking:
             ms = talker_ms_per_code(talker, pipeline, params, mode, talker_stream)
         windows = load.window_ms if pace is not None else []
         record(part="talker_interference", mode=mode, settings=settings, codes=args.codes, window=window,
                pace_s=pace, talker_ms_per_code=round(ms, 3), windows=len(windows),
-               window_ms_median=round(statistics.median(windows), 1) if windows else None)
+               window_ms_median=round(statistics.median(windows), 1) if windows else None,
+               **({"poke_every_s": args.poke_every, "pokes": poking.pokes} if isinstance(poking, Poking) else {}))
         if args.reset_check and talker.device.type == "cuda":
             record(part="burst_replays", after=mode, ms_per_replay=burst_replay_ms())
 
