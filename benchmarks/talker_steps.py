@@ -204,7 +204,8 @@ def main() -> None:
     ap.add_argument("--buckets", help="capture decode graphs for only these batch sizes (a diagnostic), e.g. 1,64")
     ap.add_argument("--replays", type=int, default=0, help="then time the burst graph alone, this many replays")
     ap.add_argument("--crowd", default="", help="with --replays: again after each step, in order: GRAPHSxNODES "
-                    "(more graphs of small kernels, kept), eager, gc, empty_cache, drop: 1x1,1x1000,drop")
+                    "(more graphs of small kernels, kept), own, eager, other_context, gc, empty_cache, drop "
+                    "(see crowd_action): 1x1,1x1000,drop")
     ap.add_argument("--capture-only", help="with --buckets: capture graphs for only these of them (a diagnostic)")
     ap.add_argument("--ascending", action="store_true", help="capture the smallest batch's graphs first (a diagnostic)")
     ap.add_argument("--prompt-len", type=int, default=156, help="the thinker prompt rows the talker prefills")
