@@ -229,15 +229,14 @@ class Probe:
     instantiated), the graphs kept beside it, and one method per step, named as the step."""
 
     def __init__(self, torch, timed: str, first: list[str]) -> None:
-        self.torch, self.kept, self.memory = torch, [], []
+        self.torch, self.memory = torch, []
         self.x = torch.zeros(1, device="cuda")
         self.replay_stream = torch.cuda.current_stream()
-        for name in first:  # "first:NAME": graphs captured before the timed one
-            self.kept.append({"graph": self.tiny_graph, "short": lambda: chain_graph(torch, steps=1)[0],
-                              "adds": lambda: add_chain(torch), "chain": lambda: chain_graph(torch)[0]}[name]())
-        self.timed_graph = {"chain": lambda: chain_graph(torch)[0], "short": lambda: chain_graph(torch, steps=1)[0],
-                      "adds": lambda: add_chain(torch),
-                      "deferred": lambda: chain_graph(torch, instantiate=False)[0]}[timed]()
+        makers = {"graph": self.tiny_graph, "chain": lambda: chain_graph(torch)[0],
+                  "short": lambda: chain_graph(torch, steps=1)[0], "adds": lambda: add_chain(torch),
+                  "deferred": lambda: chain_graph(torch, instantiate=False)[0]}
+        self.kept = [makers[name]() for name in first]  # "first:NAME": graphs captured before the timed one
+        self.timed_graph = makers[timed]()
 
     def tiny_graph(self, keep_graph: bool = False, **capture):
         """A graph of one one-element addition (`capture`: torch.cuda.graph's stream, pool, capture mode)."""
