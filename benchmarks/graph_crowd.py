@@ -53,8 +53,8 @@ CASES = {  # name: (steps, environment); "first:S" is taken before the timed cha
                             {}),
     "request_like_after_reset": ("own_context,d2h_event,cublas_side,pdl_eager,pdl_side", {}),
     # prepared, not yet run: what a request does that the steps above do not
-    "request_like_after_reset_2": ("own_context,side_copies,side_event_record,pdl_graph_side,pdl_graph_concurrent",
-                                   {}),
+    "request_like_after_reset_2": ("own_context,side_copies,side_event_record,record_stream,pdl_graph_side,"
+                                   "pdl_graph_concurrent", {}),
     "old_graphs_after_reset": ("first:graph,first:short,own_context,first_here,first_side,first_short_side", {}),
     "kept_context": ("side_work,second_context,poke,side_work,poke,concurrent,poke", {}),
     "side_work_after_reset": ("side_work,own_context,side_work,own_context,concurrent", {}),
@@ -399,6 +399,18 @@ class Probe:
             host.copy_(dev, non_blocking=True)
 
         self.on_side_stream(copies)
+
+    def record_stream(self) -> None:  # a tensor made here, used on another stream, freed (as stage hand-offs do):
+        # the caching allocator records an event on that stream and waits for it before reusing the block
+        torch = self.torch
+        y = torch.ones(1 << 20, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y.mul_(2)
+        y.record_stream(side)
+        del y
+        torch.ones(1 << 20, device="cuda")  # may reuse the block once the recorded event has passed
 
     def side_event_record(self) -> None:  # an event recorded on another stream after work, waited on here
         torch, side = self.torch, self.torch.cuda.Stream()
