@@ -56,6 +56,7 @@ CASES = {  # name: (steps, environment); "first:S" is taken before the timed cha
     "request_like_after_reset_2": ("own_context,side_copies,side_event_record,record_stream,pdl_graph_side,"
                                    "pdl_graph_concurrent", {}),
     "old_graphs_after_reset": ("first:graph,first:short,own_context,first_here,first_side,first_short_side", {}),
+    "old_streams_after_reset": ("side_work,own_context,same_side_work,chain_stream_work", {}),
     "kept_context": ("side_work,second_context,poke,side_work,poke,concurrent,poke", {}),
     "side_work_after_reset": ("side_work,own_context,side_work,own_context,concurrent", {}),
     "deferred": ("timed:deferred,captured,chain_deferred,instantiate_all,graph", {}),
@@ -108,6 +109,7 @@ def chain_graph(torch, layers: int = 24, steps: int = 8, width: int = 2048, inst
     if instantiate:
         graph.instantiate()
     graph.keep = (ws, x)  # the memory its replays read lives as long as it does
+    graph.capture_stream = stream
     return graph, run
 
 
@@ -245,9 +247,10 @@ class Probe:
             self.x.add_(1)
         return graph
 
-    def on_side_stream(self, fn, priority: int = 0) -> None:
-        """`fn()` on a new stream."""
-        with self.torch.cuda.stream(self.torch.cuda.Stream(priority=priority)):
+    def on_side_stream(self, fn, priority: int = 0, stream=None) -> None:
+        """`fn()` on `stream`, by default a new one (kept as `last_side`)."""
+        self.last_side = stream or self.torch.cuda.Stream(priority=priority)
+        with self.torch.cuda.stream(self.last_side):
             fn()
 
     def in_thread(self, fn) -> None:
@@ -332,6 +335,12 @@ class Probe:
 
     def side_work(self) -> None:  # a kernel on another stream
         self.on_side_stream(self.eager)
+
+    def same_side_work(self) -> None:  # a kernel on the last side stream again (one that worked before a reset)
+        self.on_side_stream(self.eager, stream=self.last_side)
+
+    def chain_stream_work(self) -> None:  # a kernel on the stream the timed chain was warmed up and captured on
+        self.on_side_stream(self.eager, stream=self.timed_graph.capture_stream)
 
     def thread_work(self) -> None:  # a kernel from another host thread, on its current stream
         self.in_thread(self.eager)
