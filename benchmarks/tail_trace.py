@@ -104,6 +104,9 @@ def main() -> None:
     ap = probe_arguments("one after another; the first warms up")
     ap.add_argument("--reset-context", choices=("thread", "process"),
                     help="before each request, another CUDA context runs once on the device (graph_crowd.py, run 35)")
+    ap.add_argument("--reset-at-start", action="store_true",
+                    help="another CUDA context runs once before the stages are built (before any of their streams "
+                         "exists; graph_crowd.py, run 35)")
     ap.add_argument("--replay-check", action="store_true",
                     help="after each request, time the talker's batch-1 burst graph replayed alone; after the last, "
                          "again once another CUDA context ran")
@@ -116,6 +119,10 @@ def main() -> None:
     trace = Trace()
     trace.install()
     params = request_params(path, 128, 600)
+    if args.reset_at_start and torch.cuda.is_available():  # torch's context made, then another context run, all
+        # before any stage makes a stream or a graph
+        torch.zeros(1, device="cuda")
+        other_context(torch.cuda.current_device())
     engine = AsyncOmni(path, deploy)
 
     def replay_check(when: str) -> None:  # the talker's batch-1 burst graph alone, back to back (run 35)
