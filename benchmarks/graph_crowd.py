@@ -1,7 +1,7 @@
 """Why does a CUDA graph's replay slow down in a process that does other things? Run 34 found the talker's batch-1
 burst graph 4% slower once graphs for other batch sizes were captured; run 35 found one capture of one kernel
 enough, and then the same in plain torch: a decode-like chain of ~1,500 kernels (skinny cuBLAS matmuls streaming
-11 GB a replay) replays ~7% slower (9.15 -> 9.78 ms on an H200) once the process captures another graph or runs a
+23 GB a replay) replays ~7% slower (9.15 -> 9.78 ms on an H200) once the process captures another graph or runs a
 kernel on another stream, the kernels' own time unchanged; another CUDA context running once on the device ends it
 (`other_context`). Each case runs in a process of its own: a list of steps (methods of `Probe`), the timed graph's
 replay time after each, with nvidia-smi's clocks. Results: benchmarks/results/omni_qwen2_5.md, "Run 35".
@@ -81,8 +81,8 @@ def add_chain(torch, kernels: int = 2000):
 
 
 def chain_graph(torch, layers: int = 24, steps: int = 8, width: int = 2048, instantiate: bool = True):
-    """`steps` x `layers` x (4 skinny matmuls over distinct weights, 3 elementwise ops): ~1.4 GB of weights read
-    a replay, ~1,300 kernels, batch 1 (a decode burst's shape, not its arithmetic)."""
+    """`steps` x `layers` x (4 skinny matmuls over distinct weights, 3 elementwise ops): 2.9 GB of weights read a
+    step (23 GB a replay), ~1,500 kernels, batch 1 (a decode burst's shape, not its arithmetic)."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     ws = [[torch.randn(o, i, device=dev, dtype=dt) * 0.02 for o, i in
            ((width + 512, width), (width, width), (8 * width, width), (width, 4 * width))] for _ in range(layers)]
