@@ -13,11 +13,20 @@ replay time after each, with nvidia-smi's clocks. Results: benchmarks/results/om
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from omnistage.kernels.skinny_gemm import linear
 
 CASES = {  # name: (steps, environment); "first:S" is taken before the timed chain is captured; "timed:short" times
     # one step of the chain, "timed:adds" 2,000 one-element additions
@@ -69,7 +78,7 @@ CASES = {  # name: (steps, environment); "first:S" is taken before the timed cha
 }
 
 
-def add_chain(torch, kernels: int = 2000):
+def add_chain(kernels: int = 2000):
     """A chain of `kernels` one-element additions: a replay's time is little more than its kernel boundaries."""
     x = torch.zeros(1, device="cuda")
     graph = torch.cuda.CUDAGraph()
@@ -80,7 +89,7 @@ def add_chain(torch, kernels: int = 2000):
     return graph
 
 
-def chain_graph(torch, layers: int = 24, steps: int = 8, width: int = 2048, instantiate: bool = True):
+def chain_graph(layers: int = 24, steps: int = 8, width: int = 2048, instantiate: bool = True):
     """`steps` x `layers` x (4 skinny matmuls over distinct weights, 3 elementwise ops): 2.9 GB of weights read a
     step (23 GB a replay), ~1,500 kernels, batch 1 (a decode burst's shape, not its arithmetic)."""
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -113,7 +122,10 @@ def chain_graph(torch, layers: int = 24, steps: int = 8, width: int = 2048, inst
     return graph, run
 
 
-def replay_ms(torch, graph, replays: int = 100, stream=None) -> tuple[float, str]:
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 100, stream: torch.cuda.Stream | None = None,
+              meanwhile: Callable[[], object] | None = None) -> float:
+    """Milliseconds a replay of `graph`, `replays` queued back to back on `stream` (after one to warm up);
+    `meanwhile()` is called while they run."""
     stream = stream or torch.cuda.current_stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
@@ -122,9 +134,10 @@ def replay_ms(torch, graph, replays: int = 100, stream=None) -> tuple[float, str
         for _ in range(replays):
             graph.replay()
         end.record()
-    clocks = gpu_clocks()  # while the replays run
+    if meanwhile is not None:
+        meanwhile()
     end.synchronize()
-    return round(start.elapsed_time(end) / replays, 4), clocks
+    return round(start.elapsed_time(end) / replays, 4)
 
 
 def gpu_clocks() -> str:
@@ -138,18 +151,14 @@ def gpu_clocks() -> str:
 
 def upload(graph, stream) -> None:
     """cuGraphUpload: the graph's executable set up on the device in `stream` ahead of a launch there."""
-    import ctypes
-
     driver = ctypes.CDLL("libcuda.so.1")
     err = driver.cuGraphUpload(ctypes.c_void_p(graph.raw_cuda_graph_exec()), ctypes.c_void_p(stream.cuda_stream))
     if err:
         raise RuntimeError(f"cuGraphUpload failed: {err}")
 
 
-def kernel_ms(torch, graph, replays: int = 10) -> float:
+def kernel_ms(graph, replays: int = 10) -> float:
     """Device time of the kernels a replay runs, summed (CUPTI): what a replay would take with no gaps."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
@@ -163,17 +172,12 @@ class SecondContext:
     back; `close()` destroys it."""
 
     def __init__(self, device_index: int) -> None:
-        import queue
-        import threading
-
         self.requests, self.replies = queue.Queue(), queue.Queue()
         self.thread = threading.Thread(target=self._serve, args=(device_index,), daemon=True)
         self.thread.start()
         self._reply()
 
     def _serve(self, device_index: int) -> None:
-        import ctypes
-
         dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
 
         def calls(*fns) -> None:
@@ -222,42 +226,43 @@ def other_context(device_index: int, how: str = "thread") -> None:
     second.close()
 
 
-def as_row(ms_and_clocks: tuple[float, str]) -> dict:
-    return dict(zip(("ms", "clocks"), ms_and_clocks, strict=True))
+def timed_row(graph, stream=None) -> dict:
+    """The replay time of `graph` with nvidia-smi's clocks read while the replays run."""
+    clocks = []
+    ms = replay_ms(graph, stream=stream, meanwhile=lambda: clocks.append(gpu_clocks()))
+    return {"ms": ms, "clocks": clocks[0]}
 
 
 class Probe:
     """One process's timed graph (`timed`: "chain", "short", "adds", or "deferred": a chain captured but not yet
     instantiated), the graphs kept beside it, and one method per step, named as the step."""
 
-    def __init__(self, torch, timed: str, first: list[str]) -> None:
-        self.torch, self.memory = torch, []
+    def __init__(self, timed: str, first: list[str]) -> None:
+        self.memory = []
         self.x = torch.zeros(1, device="cuda")
         self.replay_stream = torch.cuda.current_stream()
-        makers = {"graph": self.tiny_graph, "chain": lambda: chain_graph(torch)[0],
-                  "short": lambda: chain_graph(torch, steps=1)[0], "adds": lambda: add_chain(torch),
-                  "deferred": lambda: chain_graph(torch, instantiate=False)[0]}
+        makers = {"graph": self.tiny_graph, "chain": lambda: chain_graph()[0],
+                  "short": lambda: chain_graph(steps=1)[0], "adds": lambda: add_chain(),
+                  "deferred": lambda: chain_graph(instantiate=False)[0]}
         self.kept = [makers[name]() for name in first]  # "first:NAME": graphs captured before the timed one
         self.timed_graph = makers[timed]()
 
     def tiny_graph(self, keep_graph: bool = False, **capture):
         """A graph of one one-element addition (`capture`: torch.cuda.graph's stream, pool, capture mode)."""
-        graph = self.torch.cuda.CUDAGraph(keep_graph=keep_graph)
-        with self.torch.cuda.graph(graph, **capture):
+        graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
+        with torch.cuda.graph(graph, **capture):
             self.x.add_(1)
         return graph
 
     def on_side_stream(self, fn, priority: int = 0, stream=None) -> None:
         """`fn()` on `stream`, by default a new one (kept as `last_side`)."""
-        self.last_side = stream or self.torch.cuda.Stream(priority=priority)
-        with self.torch.cuda.stream(self.last_side):
+        self.last_side = stream or torch.cuda.Stream(priority=priority)
+        with torch.cuda.stream(self.last_side):
             fn()
 
     def in_thread(self, fn) -> None:
         """`fn()` from a new host thread (as omnistage's inline stage workers launch), synchronized there."""
-        import threading
-
-        worker = threading.Thread(target=lambda: (fn(), self.torch.cuda.synchronize()))
+        worker = threading.Thread(target=lambda: (fn(), torch.cuda.synchronize()))
         worker.start()
         worker.join()
 
@@ -266,7 +271,7 @@ class Probe:
         self.kept.append(self.tiny_graph())
 
     def own(self) -> None:  # as omnistage's runners capture: a stream of its own, thread-local mode
-        self.kept.append(self.tiny_graph(stream=self.torch.cuda.Stream(), capture_error_mode="thread_local"))
+        self.kept.append(self.tiny_graph(stream=torch.cuda.Stream(), capture_error_mode="thread_local"))
 
     def pool(self) -> None:  # in the timed graph's memory pool
         self.kept.append(self.tiny_graph(pool=self.timed_graph.pool()))
@@ -282,10 +287,10 @@ class Probe:
         self.kept[-1].instantiate()
 
     def chain(self) -> None:  # a second chain, as big as the first
-        self.kept.append(chain_graph(self.torch)[0])
+        self.kept.append(chain_graph()[0])
 
     def chain_deferred(self) -> None:  # another chain, captured, not instantiated
-        self.kept.append(chain_graph(self.torch, instantiate=False)[0])
+        self.kept.append(chain_graph(instantiate=False)[0])
 
     def instantiate_all(self) -> None:  # "timed:deferred": the timed chain, then the others, only now
         for graph in [self.timed_graph, *self.kept]:
@@ -295,7 +300,7 @@ class Probe:
         self.kept.clear()
 
     def recapture(self) -> None:  # the chain captured anew, after the others (the old one let go)
-        self.timed_graph = chain_graph(self.torch)[0]
+        self.timed_graph = chain_graph()[0]
 
     def recapture_kept(self) -> None:  # the same, the old one kept
         self.kept.append(self.timed_graph)
@@ -308,7 +313,7 @@ class Probe:
         upload(self.timed_graph, self.replay_stream)
 
     def fresh_stream(self) -> None:  # the timed chain replayed on a new stream from here on
-        self.replay_stream = self.torch.cuda.Stream()
+        self.replay_stream = torch.cuda.Stream()
 
     def first_here(self) -> None:  # the first graph kept ("first:graph", captured before any reset), replayed here
         self.kept[0].replay()
@@ -328,7 +333,7 @@ class Probe:
 
     # work outside graphs
     def stream(self) -> None:  # a stream made, no work on it
-        self.torch.cuda.Stream()
+        torch.cuda.Stream()
 
     def eager(self) -> None:
         self.x.add_(1)
@@ -356,23 +361,20 @@ class Probe:
         self.on_side_stream(lambda: [self.x.add_(1) for _ in range(2000)])
 
     def cross_stream_event(self) -> None:  # another stream waits on this one's event, then works
-        torch, side = self.torch, self.torch.cuda.Stream()
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self.x.add_(1)
         torch.cuda.current_stream().wait_stream(side)
 
     def cublas(self) -> None:  # an eager matmul on this stream
-        a = self.torch.randn(64, 4096, device="cuda", dtype=self.torch.bfloat16)
+        a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
         a @ a.T
 
     def cublas_side(self) -> None:
         self.on_side_stream(self.cublas)
 
     def pdl_eager(self) -> None:  # omnistage's skinny GEMM (launched with PDL) outside a graph
-        from omnistage.kernels.skinny_gemm import linear
-
-        torch = self.torch
         linear(torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16),
                torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16))
 
@@ -380,9 +382,6 @@ class Probe:
         self.on_side_stream(self.pdl_eager)
 
     def pdl_graph_side(self) -> None:  # a graph of omnistage's PDL-launched GEMMs replayed on another stream
-        from omnistage.kernels.skinny_gemm import linear
-
-        torch = self.torch
         x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
         linear(x, w)  # compiled outside the capture
@@ -399,7 +398,6 @@ class Probe:
         self.on_side_stream(lambda: [self.kept[-1].replay() for _ in range(20)])
 
     def side_copies(self) -> None:  # host to device, device to host and device to device, on another stream
-        torch = self.torch
         host = torch.zeros(1 << 20, pin_memory=True)
 
         def copies() -> None:
@@ -411,7 +409,6 @@ class Probe:
 
     def record_stream(self) -> None:  # a tensor made here, used on another stream, freed (as stage hand-offs do):
         # the caching allocator records an event on that stream and waits for it before reusing the block
-        torch = self.torch
         y = torch.ones(1 << 20, device="cuda")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -422,7 +419,7 @@ class Probe:
         torch.ones(1 << 20, device="cuda")  # may reuse the block once the recorded event has passed
 
     def side_event_record(self) -> None:  # an event recorded on another stream after work, waited on here
-        torch, side = self.torch, self.torch.cuda.Stream()
+        side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             self.x.add_(1)
             done = torch.cuda.Event()
@@ -430,11 +427,10 @@ class Probe:
         torch.cuda.current_stream().wait_event(done)
 
     def pinned_copies(self) -> None:  # pinned host memory, a copy each way without blocking
-        host = self.torch.zeros(1 << 20, pin_memory=True)
+        host = torch.zeros(1 << 20, pin_memory=True)
         host.copy_(host.to("cuda", non_blocking=True), non_blocking=True)
 
     def d2h_event(self) -> None:  # a copy to pinned memory and a timing event waited on
-        torch = self.torch
         torch.empty(1 << 16, pin_memory=True).copy_(torch.ones(1 << 16, device="cuda"), non_blocking=True)
         done = torch.cuda.Event(enable_timing=True)
         done.record()
@@ -442,11 +438,11 @@ class Probe:
 
     # memory, time, other contexts
     def new_segment(self) -> None:  # the caching allocator asks the driver for 3 GB more, kept
-        self.memory.append(self.torch.empty(3 << 30, dtype=self.torch.uint8, device="cuda"))
+        self.memory.append(torch.empty(3 << 30, dtype=torch.uint8, device="cuda"))
 
     def big_alloc(self) -> None:  # 20 GB taken and given back to the driver
-        self.torch.empty(20 << 30, dtype=self.torch.uint8, device="cuda")
-        self.torch.cuda.empty_cache()
+        torch.empty(20 << 30, dtype=torch.uint8, device="cuda")
+        torch.cuda.empty_cache()
 
     def sleep(self) -> None:
         time.sleep(10)
@@ -456,13 +452,13 @@ class Probe:
                         "with torch.cuda.graph(torch.cuda.CUDAGraph()): x.add_(1)"], check=True)
 
     def other_context(self) -> None:  # another process only makes a CUDA context and exits
-        other_context(self.torch.cuda.current_device(), "process")
+        other_context(torch.cuda.current_device(), "process")
 
     def own_context(self) -> None:  # this process makes a second CUDA context, runs a memset in it, destroys it
-        other_context(self.torch.cuda.current_device())
+        other_context(torch.cuda.current_device())
 
     def second_context(self) -> None:  # a second context made and kept, no work in it yet
-        self.second = SecondContext(self.torch.cuda.current_device())
+        self.second = SecondContext(torch.cuda.current_device())
 
     def poke(self) -> None:  # a memset in the kept second context
         self.second.poke()
@@ -471,13 +467,11 @@ class Probe:
 def one_case(steps: str) -> list[dict]:
     """In this process: the timed graph's replay time alone, then after each step ("profile": the kernels' own
     time instead)."""
-    import torch
-
     names = steps.split(",")
     timed = next((s.removeprefix("timed:") for s in names if s.startswith("timed:")), "chain")
-    probe = Probe(torch, timed, [s.removeprefix("first:") for s in names if s.startswith("first:")])
+    probe = Probe(timed, [s.removeprefix("first:") for s in names if s.startswith("first:")])
     out = [] if timed == "deferred" else [{"after": "nothing", "other_graphs": len(probe.kept),
-                                           **as_row(replay_ms(torch, probe.timed_graph))}]
+                                           **timed_row(probe.timed_graph)}]
     for step in (s for s in names if not s.startswith(("first:", "timed:"))):
         if step != "profile":
             getattr(probe, step)()
@@ -486,9 +480,9 @@ def one_case(steps: str) -> list[dict]:
             continue  # nothing instantiated yet to time
         row = {"after": step, "other_graphs": len(probe.kept)}
         if step == "profile":  # the profiler may change what follows: a case of its own
-            out.append({**row, "kernel_ms": kernel_ms(torch, probe.timed_graph)})
+            out.append({**row, "kernel_ms": kernel_ms(probe.timed_graph)})
         else:
-            out.append({**row, **as_row(replay_ms(torch, probe.timed_graph, stream=probe.replay_stream))})
+            out.append({**row, **timed_row(probe.timed_graph, probe.replay_stream)})
     return out
 
 

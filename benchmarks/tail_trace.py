@@ -15,7 +15,7 @@ import asyncio
 import time
 
 import torch
-from graph_crowd import other_context
+from graph_crowd import other_context, replay_ms
 from omni_qwen2_5 import (
     checkpoint_path,
     engine_events,
@@ -27,7 +27,6 @@ from omni_qwen2_5 import (
     request_params,
 )
 from recording import recorder
-from talker_steps import replay_ms
 
 from omnistage import AsyncOmni
 from omnistage.engine.ar.engine import AREngine

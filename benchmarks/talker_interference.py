@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 import yaml
-from graph_crowd import SecondContext, other_context
+from graph_crowd import SecondContext, other_context, replay_ms
 from omni_qwen2_5 import DEPLOY, apply_settings, checkpoint_path, parse_settings
 from recording import recorder
-from talker_steps import replay_ms, talker_input
+from talker_steps import talker_input
 
 from omnistage.config.deploy import load_deploy_config
 from omnistage.engine.types import StageInput

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import stand_in
 import torch
-from graph_crowd import other_context
+from graph_crowd import other_context, replay_ms
 from omni_qwen2_5 import apply_settings, checkpoint_path, only_graph_buckets, parse_settings
 from recording import recorder
 
@@ -107,18 +107,6 @@ def run(path: Path, batch: int, codes: int, overlap_sampled: bool, record, host_
                    "solve_passes_a_ms_beside": solve["beside"](1000 * seconds)} if solve else {}))
     finally:
         engine.shutdown()
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Milliseconds a replay of `graph`, `replays` queued back to back (after one to warm up)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return round(start.elapsed_time(end) / replays, 4)
 
 
 _crowd: list[torch.cuda.CUDAGraph] = []  # kept for the process: each --crowd step adds to the ones before
