@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 
 from omnistage.kernels.skinny_gemm import linear
@@ -67,6 +69,15 @@ CASES = {  # name: (steps, environment); "first:S" is taken before the timed cha
     "old_graphs_after_reset": ("first:graph,first:short,own_context,first_here,first_side,first_short_side", {}),
     "old_streams_after_reset": ("side_work,own_context,same_side_work,chain_stream_work", {}),
     "kept_context": ("side_work,second_context,poke,side_work,poke,concurrent,poke", {}),
+    "request_like_after_reset_3": ("own_context,cudnn_side,lt_side,carveout_side,triton_new_side,thread_concurrent",
+                                   {}),
+    "triton_after_reset": ("triton_first,own_context,triton_same_side,own_context,triton_new_here,own_context,"
+                           "triton_new_side_small,own_context,triton_old_reload", {}),
+    "triton_init_after_reset": ("own_context,triton_first,own_context,triton_new_side_small", {}),
+    "copies_after_reset": ("own_context,pinned_copies,own_context,pageable_h2d,own_context,pageable_d2h,own_context,"
+                           "list_to_device,own_context,item,own_context,pageable_h2d_side", {}),
+    "prefill_like_after_reset": ("own_context,index_copy_here,own_context,index_copy_side,own_context,"
+                                 "index_copy_high,own_context,embeds_like_high", {}),
     "side_work_after_reset": ("side_work,own_context,side_work,own_context,concurrent", {}),
     "deferred": ("timed:deferred,captured,chain_deferred,instantiate_all,graph", {}),
     "own_stream": ("own,own,recapture", {}),
@@ -76,6 +87,32 @@ CASES = {  # name: (steps, environment); "first:S" is taken before the timed cha
     "eager_loading": ("graph", {"CUDA_MODULE_LOADING": "EAGER"}),
     "two_chains": ("chain,graph", {}),
 }
+
+
+@triton.jit
+def _add_kernel(x_ptr, n, VALUE: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + VALUE, mask=offsets < n)
+
+
+def add_value(x: torch.Tensor, value: int) -> None:
+    """x += value by a Triton kernel: each new `value` compiles and loads a module of its own."""
+    _add_kernel[(triton.cdiv(x.numel(), 128),)](x, x.numel(), VALUE=value, BLOCK=128)
+
+
+def log_triton_loads(record: Callable[..., None]) -> None:
+    """record(part="triton_load", kernel=NAME) whenever Triton loads a compiled kernel's module onto the device
+    (run 36: a Triton module loaded in a process reset by another context puts it back in the slow state)."""
+    from triton.runtime import driver
+
+    utils = driver.active.utils
+    load = utils.load_binary
+
+    def logged(name, *args, **kwargs):
+        record(part="triton_load", kernel=name, t=round(time.perf_counter(), 4))
+        return load(name, *args, **kwargs)
+
+    utils.load_binary = logged
 
 
 def add_chain(kernels: int = 2000):
@@ -397,6 +434,61 @@ class Probe:
         self.timed_graph.replay()
         self.on_side_stream(lambda: [self.kept[-1].replay() for _ in range(20)])
 
+    def cudnn_side(self) -> None:  # a float32 cuDNN convolution on another stream (the vocoder's kind of work)
+        conv = torch.nn.Conv1d(512, 512, 7, padding=3, device="cuda")
+        self.on_side_stream(lambda: conv(torch.randn(1, 512, 2048, device="cuda")))
+
+    def lt_side(self) -> None:  # a cuBLASLt matmul with a bias+GELU epilogue (the DiT's up projection)
+        x, w, b = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in ((256, 1024), (2048, 1024),
+                                                                                         (2048,)))
+        self.on_side_stream(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True))
+
+    def carveout_side(self) -> None:  # a cuBLAS matmul under an SM carveout (token2wav's solves) on another stream
+        before = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(32)
+        try:
+            self.cublas_side()
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
+
+    def triton_new_side(self) -> None:  # a Triton kernel compiled and loaded now, launched on another stream
+        from omnistage.kernels.block_attention import block_attention
+        qkv = torch.randn(2, 96, 3, 16, 64, device="cuda", dtype=torch.bfloat16)
+        self.on_side_stream(lambda: block_attention(qkv, 24, 1, 0, None, None, None))
+
+    def triton_first(self) -> None:  # a small Triton kernel compiled and launched here, before any reset
+        add_value(self.x, 0)
+
+    def triton_same_side(self) -> None:  # that kernel (loaded before the reset) launched on another stream
+        self.on_side_stream(lambda: add_value(self.x, 0))
+
+    def triton_new_here(self) -> None:  # a new variant of it compiled, loaded and launched on this stream
+        self.variants = getattr(self, "variants", 0) + 1
+        add_value(self.x, self.variants)
+
+    def triton_new_side_small(self) -> None:  # a new variant on another stream
+        self.variants = getattr(self, "variants", 0) + 1
+        self.on_side_stream(lambda: add_value(self.x, self.variants))
+
+    def triton_old_reload(self) -> None:  # variant 0's module loaded again (Triton's in-memory handle dropped)
+        for kernels in _add_kernel.device_caches.values():
+            for kernel in kernels[0].values():
+                kernel.module = kernel._run = None  # the next launch loads it again (_init_handles)
+        add_value(self.x, 0)
+
+    def thread_concurrent(self) -> None:  # another host thread works on its stream while the timed chain replays
+        stream = torch.cuda.Stream()
+
+        def work() -> None:
+            with torch.cuda.stream(stream):
+                for _ in range(200):
+                    self.cublas()
+        worker = threading.Thread(target=lambda: (work(), torch.cuda.synchronize()))
+        worker.start()
+        for _ in range(5):
+            self.timed_graph.replay()
+        worker.join()
+
     def side_copies(self) -> None:  # host to device, device to host and device to device, on another stream
         host = torch.zeros(1 << 20, pin_memory=True)
 
@@ -429,6 +521,42 @@ class Probe:
     def pinned_copies(self) -> None:  # pinned host memory, a copy each way without blocking
         host = torch.zeros(1 << 20, pin_memory=True)
         host.copy_(host.to("cuda", non_blocking=True), non_blocking=True)
+
+    def pageable_h2d(self) -> None:  # a copy from pageable host memory (the driver stages it)
+        torch.randn(1 << 16).to("cuda")
+
+    def pageable_d2h(self) -> None:
+        torch.ones(1 << 16, device="cuda").cpu()
+
+    def list_to_device(self) -> None:  # torch.tensor(list, device="cuda"): a small pageable copy
+        torch.tensor([1, 2, 3], device="cuda")
+
+    def item(self) -> None:  # a scalar read back
+        torch.ones(1, device="cuda").sum().item()
+
+    def pageable_h2d_side(self) -> None:
+        self.on_side_stream(self.pageable_h2d)
+
+    def index_copy_here(self) -> None:  # rows written into a [158, 3584] bfloat16 buffer by index (on this stream)
+        embeds = torch.zeros(158, 3584, device="cuda", dtype=torch.bfloat16)
+        embeds.index_copy_(0, torch.arange(156, device="cuda"), torch.randn(156, 3584, device="cuda").bfloat16())
+
+    def index_copy_side(self) -> None:
+        self.on_side_stream(self.index_copy_here)
+
+    def index_copy_high(self) -> None:  # on a high-priority stream, as the talker's
+        self.on_side_stream(self.index_copy_here, priority=-1)
+
+    def embeds_like_high(self) -> None:  # the talker's prefill input, op for op (run 36e), on a high-priority stream
+        table = torch.randn(8448, 3584, device="cuda", dtype=torch.bfloat16)
+
+        def ops() -> None:
+            embeds = torch.nn.functional.embedding(torch.arange(158).pin_memory().to("cuda", non_blocking=True),
+                                                   table)
+            rows = torch.tensor(list(range(156))).pin_memory().to("cuda", non_blocking=True)
+            values = torch.stack(list(torch.randn(156, 1, 3584)))[:, 0].to(device="cuda", dtype=embeds.dtype)
+            embeds.index_copy_(0, rows, values)
+        self.on_side_stream(ops, priority=-1)
 
     def d2h_event(self) -> None:  # a copy to pinned memory and a timing event waited on
         torch.empty(1 << 16, pin_memory=True).copy_(torch.ones(1 << 16, device="cuda"), non_blocking=True)

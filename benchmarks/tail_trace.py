@@ -15,7 +15,7 @@ import asyncio
 import time
 
 import torch
-from graph_crowd import other_context, replay_ms
+from graph_crowd import SecondContext, log_triton_loads, other_context, replay_ms
 from omni_qwen2_5 import (
     checkpoint_path,
     engine_events,
@@ -109,6 +109,12 @@ def main() -> None:
     ap.add_argument("--replay-check", action="store_true",
                     help="after each request, time the talker's batch-1 burst graph replayed alone; after the last, "
                          "again once another CUDA context ran")
+    ap.add_argument("--keep-second-context", action="store_true",
+                    help="once the pipeline is built, a second CUDA context made and kept, idle, through the "
+                         "requests (graph_crowd.py's kept_context case)")
+    ap.add_argument("--log-loads", action="store_true",
+                    help="a line whenever Triton loads a kernel's module onto the device (run 36: one loaded "
+                         "after a reset puts the process back in the slow state)")
     args = ap.parse_args()
     only_graph_buckets(args.graph_buckets)
     path = checkpoint_path(args.tiny, args.checkpoint)
@@ -117,12 +123,15 @@ def main() -> None:
     record = recorder(args.out)
     trace = Trace()
     trace.install()
+    if args.log_loads and torch.cuda.is_available():
+        log_triton_loads(record)
     params = request_params(path, 128, 600)
     if args.reset_at_start and torch.cuda.is_available():  # torch's context made, then another context run, all
         # before any stage makes a stream or a graph
         torch.zeros(1, device="cuda")
         other_context(torch.cuda.current_device())
     engine = AsyncOmni(path, deploy)
+    second = SecondContext(torch.cuda.current_device()) if args.keep_second_context else None
 
     def replay_check(when: str) -> None:  # the talker's batch-1 burst graph alone, back to back (run 35)
         graphs = trace.engines["talker"].runner.burst_graphs if "talker" in trace.engines else {}
@@ -145,6 +154,8 @@ def main() -> None:
                     replay_check("after another context ran")
     finally:
         engine.shutdown()
+        if second is not None:
+            second.close()
 
 
 if __name__ == "__main__":

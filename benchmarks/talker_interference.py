@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 import yaml
-from graph_crowd import SecondContext, other_context, replay_ms
+from graph_crowd import SecondContext, log_triton_loads, other_context, replay_ms
 from omni_qwen2_5 import DEPLOY, apply_settings, checkpoint_path, parse_settings
 from recording import recorder
 from talker_steps import talker_input
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnistage.config.deploy import load_deploy_config
 from omnistage.engine.types import StageInput
@@ -135,6 +136,47 @@ def talker_ms_per_code(engine, pipeline, params: SamplingParams, tag: str, s) ->
     return 1000 * (time.perf_counter() - start) / max(drawn, 1)
 
 
+class FirstSlowOp(TorchDispatchMode):
+    """Inside the first step: after every aten op, the burst graph replayed alone on the default stream (10 times);
+    records each op after which it is slow, with the ops before it (the Triton kernels between aten ops are not
+    seen one by one), then runs another context to make it fast again and goes on (up to `limit` finds)."""
+
+    def __init__(self, engine, record, limit: int = 12) -> None:
+        super().__init__()
+        graphs = engine.runner.burst_graphs
+        self.graph, self.record, self.ops, self.fast, self.found = graphs[min(graphs)], record, [], None, 0
+        self.device, self.limit = engine.device.index or 0, limit
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.found < self.limit:
+            self.ops.append(str(func))
+            torch.cuda.synchronize()
+            ms = replay_ms(self.graph, 10, stream=torch.cuda.default_stream())
+            self.fast = self.fast or ms
+            if ms > self.fast + 0.15:
+                self.found += 1
+                self.record(part="first_slow_op", op=len(self.ops), ms=ms, fast=self.fast, ops=self.ops[-6:])
+                other_context(self.device)
+        return out
+
+
+def stepwise(engine, pipeline, params: SamplingParams, s, burst_replay_ms, record) -> None:
+    """One request stepped after a reset (another context run), the burst graph timed after every step."""
+    other_context(engine.device.index or 0)
+    record(part="stepwise", step=-1, ms_per_replay=burst_replay_ms())
+    with on(s):
+        engine.add_request(talker_input(pipeline, "stepwise", 156, 128, params))
+    step = 0
+    while engine.has_work():
+        with on(s), (FirstSlowOp(engine, record) if step == 0 else contextlib.nullcontext()):
+            codes = sum(len(out.token_ids) for out in engine.step())
+        torch.cuda.synchronize()
+        record(part="stepwise", step=step, codes=codes, running=engine.stats()["num_running"],
+               ms_per_replay=burst_replay_ms())
+        step += 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
@@ -153,10 +195,22 @@ def main() -> None:
     ap.add_argument("--poke-every", type=float, default=0.0, metavar="SECONDS",
                     help="during each measurement, a memset in a second CUDA context this often (the GPU switches "
                          "to it and back): does it keep run 35's slow state away, and what does it cost?")
+    ap.add_argument("--stepwise", action="store_true",
+                    help="after the warm-up: another CUDA context runs once, then one request is stepped with the "
+                         "talker's burst graph timed alone after every step: which step puts the process back in "
+                         "run 35's slow state?")
+    ap.add_argument("--keep-second-context", action="store_true",
+                    help="after the warm-up, a second CUDA context made and kept, idle, for the rest of the run "
+                         "(graph_crowd.py's kept_context case: while one lives, work on other streams left the "
+                         "chain fast)")
+    ap.add_argument("--log-loads", action="store_true",
+                    help="a line whenever Triton loads a kernel's module onto the device (run 36)")
     ap.add_argument("--out")
     args = ap.parse_args()
     modes = args.modes.split(",")
     record = recorder(args.out)
+    if args.log_loads and torch.cuda.is_available():
+        log_triton_loads(record)
     path = checkpoint_path(args.tiny, args.checkpoint)
     deploy = yaml.safe_load(DEPLOY.read_text())
     for name in ("thinker", "talker"):
@@ -176,7 +230,12 @@ def main() -> None:
 
     def burst_replay_ms() -> float | None:
         graphs = talker.runner.burst_graphs
-        return replay_ms(graphs[min(graphs)], 200) if graphs else None
+        return replay_ms(graphs[min(graphs)], 200 if not args.stepwise else 30) if graphs else None
+
+    second = (SecondContext(talker.device.index or 0)
+              if args.keep_second_context and talker.device.type == "cuda" else None)
+    if args.stepwise and talker.device.type == "cuda":
+        stepwise(talker, pipeline, params, talker_stream, burst_replay_ms, record)
 
     def measure(mode: str, pace: float | None) -> None:
         if args.reset_check and talker.device.type == "cuda":
@@ -206,6 +265,8 @@ def main() -> None:
         measure("thinker_idle+token2wav_paced", args.pace)
         thinker.shutdown()
     talker.shutdown()
+    if second is not None:
+        second.close()
 
 
 if __name__ == "__main__":
