@@ -4,7 +4,9 @@ enough, and then the same in plain torch: a decode-like chain of ~1,500 kernels 
 23 GB a replay) replays ~7% slower (9.15 -> 9.78 ms on an H200) once the process captures another graph or runs a
 kernel on another stream, the kernels' own time unchanged; another CUDA context running once on the device ends it
 (`other_context`). Each case runs in a process of its own: a list of steps (methods of `Probe`), the timed graph's
-replay time after each, with nvidia-smi's clocks. Results: benchmarks/results/omni_qwen2_5.md, "Run 35".
+replay time after each, with nvidia-smi's clocks. Results: benchmarks/results/omni_qwen2_5.md, "Run 35" and
+"Run 36" (after a reset none of a request's kinds of work restart the chain's slow state, where the talker's own
+steps restart its graph's: `talker_interference.py --stepwise`).
 
     python benchmarks/graph_crowd.py --out benchmarks/results/graph_crowd-h200-DATE.jsonl
     python benchmarks/graph_crowd.py --cases side_work,own_context
@@ -63,7 +65,7 @@ CASES = {  # name: (steps, environment); "first:S" is taken before the timed cha
     "threads_after_reset": ("own_context,thread_work,thread_stream_work,priority_stream,side_replay,thread_capture",
                             {}),
     "request_like_after_reset": ("own_context,d2h_event,cublas_side,pdl_eager,pdl_side", {}),
-    # prepared, not yet run: what a request does that the steps above do not
+    # run 36: what a request does that the steps above do not
     "request_like_after_reset_2": ("own_context,side_copies,side_event_record,record_stream,pdl_graph_side,"
                                    "pdl_graph_concurrent", {}),
     "old_graphs_after_reset": ("first:graph,first:short,own_context,first_here,first_side,first_short_side", {}),
@@ -102,7 +104,7 @@ def add_value(x: torch.Tensor, value: int) -> None:
 
 def log_triton_loads(record: Callable[..., None]) -> None:
     """record(part="triton_load", kernel=NAME) whenever Triton loads a compiled kernel's module onto the device
-    (run 36: a Triton module loaded in a process reset by another context puts it back in the slow state)."""
+    (run 36: does a request load any? None did; every load came at start-up)."""
     from triton.runtime import driver
 
     utils = driver.active.utils

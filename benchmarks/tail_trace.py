@@ -113,8 +113,8 @@ def main() -> None:
                     help="once the pipeline is built, a second CUDA context made and kept, idle, through the "
                          "requests (graph_crowd.py's kept_context case)")
     ap.add_argument("--log-loads", action="store_true",
-                    help="a line whenever Triton loads a kernel's module onto the device (run 36: one loaded "
-                         "after a reset puts the process back in the slow state)")
+                    help="a line whenever Triton loads a kernel's module onto the device (run 36: none during "
+                         "requests)")
     args = ap.parse_args()
     only_graph_buckets(args.graph_buckets)
     path = checkpoint_path(args.tiny, args.checkpoint)
