@@ -131,7 +131,8 @@ def main() -> None:
         torch.zeros(1, device="cuda")
         other_context(torch.cuda.current_device())
     engine = AsyncOmni(path, deploy)
-    second = SecondContext(torch.cuda.current_device()) if args.keep_second_context else None
+    second = (SecondContext(torch.cuda.current_device())
+              if args.keep_second_context and torch.cuda.is_available() else None)
 
     def replay_check(when: str) -> None:  # the talker's batch-1 burst graph alone, back to back (run 35)
         graphs = trace.engines["talker"].runner.burst_graphs if "talker" in trace.engines else {}
