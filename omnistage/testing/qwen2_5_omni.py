@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from omnistage.families.qwen2_5_omni.models import thinker_ids_unflagged
 from omnistage.testing.factory import SPECIAL_TOKENS, make_tokenizer
 
 # Bump whenever the produced files change, so stale cached checkpoints are not reused.
@@ -299,15 +300,16 @@ def make_tiny_qwen2_5_omni(out_dir: str | Path, seed: int = 0) -> Path:
     out = make_omni_tokenizer(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(out)
     ids = _token_ids(tokenizer)
-    config = tiny_config(tokenizer)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5OmniForConditionalGeneration(config).float().eval()
-        _shape_weights(model, ids)
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]
-    )
-    model.save_pretrained(out)
+    with thinker_ids_unflagged():  # the configs are built here, and again as the model is made and saved
+        config = tiny_config(tokenizer)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen2_5OmniForConditionalGeneration(config).float().eval()
+            _shape_weights(model, ids)
+        model.generation_config = GenerationConfig(
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]
+        )
+        model.save_pretrained(out)
     torch.save(_speakers(config, ids, seed), out / "spk_dict.pt")
     save_processor(out)
     return out

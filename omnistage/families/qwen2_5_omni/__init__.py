@@ -331,7 +331,8 @@ class Qwen25OmniFamily:
             Edge("talker", "token2wav", lambda r, o: talker_to_token2wav(pipeline, r, o),
                  streamed=bool(token2wav_options(deploy.stage("token2wav").options).get("window"))),
         ]
-        pipeline.config = Qwen2_5OmniConfig.from_pretrained(info.path)
+        with models.thinker_ids_unflagged():
+            pipeline.config = Qwen2_5OmniConfig.from_pretrained(info.path)
         pipeline.processor = Qwen2_5OmniProcessor.from_pretrained(info.path)
         pipeline.tokenizer = pipeline.processor.tokenizer
         voices = models.load_voices(info.path)

@@ -49,6 +49,29 @@ logger = logging.getLogger(__name__)
 SAMPLE_RATE = 24000
 
 
+class _ThinkerIdsInTalkerConfig(logging.Filter):
+    """Drops transformers' "Model config: X_token_id must be `None` or an integer within the vocabulary" warnings."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Model config:") and "within the vocabulary" in message)
+
+
+@contextlib.contextmanager
+def thinker_ids_unflagged() -> Iterator[None]:
+    """While Qwen2.5-Omni configs are built. transformers 5 checks every `*_token_id` of a config against its own
+    text vocabulary, and this family's talker config carries the thinker's ids (tts_text_*, vision_*, audio_*)
+    beside a vocabulary of 8,448 codec codes: every checkpoint, the released one too, set off ten such warnings,
+    all false alarms. Only those are dropped, only inside the block."""
+    config_logger = logging.getLogger("transformers.configuration_utils")
+    drop = _ThinkerIdsInTalkerConfig()
+    config_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        config_logger.removeFilter(drop)
+
+
 def load_part(cls: Any, path: Path, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """One top-level part (thinker / talker) in its dtype; transformers strips the part's prefix and
     applies the checkpoint's key conversions. With accelerate installed it loads straight to the GPU."""

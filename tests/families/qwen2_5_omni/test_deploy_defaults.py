@@ -3,6 +3,7 @@ where two or more GPUs are visible)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,32 @@ def test_two_or_more_gpus_default_to_the_two_gpu_split(tiny_qwen2_5_omni: str, m
     assert deploy.stage("talker").decode_burst == 8 and deploy.stage("token2wav").max_num_seqs == 32
     one = build_pipeline(tiny_qwen2_5_omni, CONFIGS / "1gpu.yaml").deploy
     assert {one.stage(name).devices for name in ("thinker", "talker", "token2wav")} == {"0"}
+
+
+def test_its_pipeline_loads_without_false_vocabulary_warnings(tiny_qwen2_5_omni: str) -> None:
+    """transformers flags the thinker's token ids that the talker's config carries as outside the talker's (codec)
+    vocabulary, for every Qwen2.5-Omni checkpoint; building the pipeline drops those warnings, and only them."""
+    from transformers import Qwen2_5OmniConfig
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    seen, config_logger = Seen(), logging.getLogger("transformers.configuration_utils")
+    config_logger.addHandler(seen)
+    try:
+        logging.Logger.warning_once.cache_clear()  # transformers says each warning once a process
+        build_pipeline(tiny_qwen2_5_omni)
+        assert not [m for m in seen.messages if "within the vocabulary" in m]
+        logging.Logger.warning_once.cache_clear()
+        Qwen2_5OmniConfig.from_pretrained(tiny_qwen2_5_omni)  # the same load outside the pipeline: flagged
+        assert any("tts_text_pad_token_id" in m and "within the vocabulary" in m for m in seen.messages)
+    finally:
+        config_logger.removeHandler(seen)
 
 
 def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) -> None:
