@@ -49,20 +49,28 @@ logger = logging.getLogger(__name__)
 SAMPLE_RATE = 24000
 
 
+# The thinker-vocabulary token ids Qwen2.5-Omni's talker config carries beside its 8,448 codec codes.
+_THINKER_IDS_IN_TALKER_CONFIG = frozenset(f"{name}_token_id" for name in (
+    "tts_text_start", "tts_text_end", "tts_text_pad", "vision_start", "vision_end", "audio_start", "audio_end"))
+
+
 class _ThinkerIdsInTalkerConfig(logging.Filter):
-    """Drops transformers' "Model config: X_token_id must be `None` or an integer within the vocabulary" warnings."""
+    """Drops transformers' "Model config: NAME must be `None` or an integer within the vocabulary" warnings for
+    those ids only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("Model config:") and "within the vocabulary" in message)
+        words = record.getMessage().split(" ", 3)
+        return not (words[:2] == ["Model", "config:"] and len(words) > 3 and "within the vocabulary" in words[3]
+                    and words[2] in _THINKER_IDS_IN_TALKER_CONFIG)
 
 
 @contextlib.contextmanager
 def thinker_ids_unflagged() -> Iterator[None]:
     """While Qwen2.5-Omni configs are built. transformers 5 checks every `*_token_id` of a config against its own
     text vocabulary, and this family's talker config carries the thinker's ids (tts_text_*, vision_*, audio_*)
-    beside a vocabulary of 8,448 codec codes: every checkpoint, the released one too, set off ten such warnings,
-    all false alarms. Only those are dropped, only inside the block."""
+    beside a vocabulary of 8,448 codec codes: every checkpoint, the released one too, sets off a warning for each,
+    all false alarms. Only those are dropped (any other id out of its vocabulary is still reported), only inside
+    the block."""
     config_logger = logging.getLogger("transformers.configuration_utils")
     drop = _ThinkerIdsInTalkerConfig()
     config_logger.addFilter(drop)

@@ -80,6 +80,12 @@ def test_its_pipeline_loads_without_false_vocabulary_warnings(tiny_qwen2_5_omni:
         logging.Logger.warning_once.cache_clear()
         Qwen2_5OmniConfig.from_pretrained(tiny_qwen2_5_omni)  # the same load outside the pipeline: flagged
         assert any("tts_text_pad_token_id" in m and "within the vocabulary" in m for m in seen.messages)
+        seen.messages.clear()
+        logging.Logger.warning_once.cache_clear()
+        with models.thinker_ids_unflagged():  # any other id out of its vocabulary is still reported
+            Qwen2_5OmniConfig.from_pretrained(tiny_qwen2_5_omni, talker_config={"pad_token_id": 10**6})
+        flagged = [m for m in seen.messages if "within the vocabulary" in m]
+        assert flagged and all(m.startswith("Model config: pad_token_id") for m in flagged)
     finally:
         config_logger.removeHandler(seen)
 
