@@ -136,7 +136,7 @@ def talker_ms_per_code(engine, pipeline, params: SamplingParams, tag: str, s) ->
     return 1000 * (time.perf_counter() - start) / max(drawn, 1)
 
 
-class FirstSlowOp(TorchDispatchMode):
+class SlowingOps(TorchDispatchMode):
     """Inside the first step: after every aten op, the burst graph replayed alone on the default stream (10 times);
     records each op after which it is slow, with the ops before it (the Triton kernels between aten ops are not
     seen one by one), then runs another context to make it fast again and goes on (up to `limit` finds)."""
@@ -156,7 +156,7 @@ class FirstSlowOp(TorchDispatchMode):
             self.fast = self.fast or ms
             if ms > self.fast + 0.15:
                 self.found += 1
-                self.record(part="first_slow_op", op=len(self.ops), ms=ms, fast=self.fast, ops=self.ops[-6:])
+                self.record(part="slowing_op", op=len(self.ops), ms=ms, fast=self.fast, ops=self.ops[-6:])
                 other_context(self.device)
         return out
 
@@ -169,7 +169,7 @@ def stepwise(engine, pipeline, params: SamplingParams, s, burst_replay_ms, recor
         engine.add_request(talker_input(pipeline, "stepwise", 156, 128, params))
     step = 0
     while engine.has_work():
-        with on(s), (FirstSlowOp(engine, record) if step == 0 else contextlib.nullcontext()):
+        with on(s), (SlowingOps(engine, record) if step == 0 else contextlib.nullcontext()):
             codes = sum(len(out.token_ids) for out in engine.step())
         torch.cuda.synchronize()
         record(part="stepwise", step=step, codes=codes, running=engine.stats()["num_running"],
