@@ -54,14 +54,13 @@ _THINKER_IDS_IN_TALKER_CONFIG = frozenset(f"{name}_token_id" for name in (
     "tts_text_start", "tts_text_end", "tts_text_pad", "vision_start", "vision_end", "audio_start", "audio_end"))
 
 
-class _ThinkerIdsInTalkerConfig(logging.Filter):
-    """Drops transformers' "Model config: NAME must be `None` or an integer within the vocabulary" warnings for
-    those ids only."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        words = record.getMessage().split(" ", 3)
-        return not (words[:2] == ["Model", "config:"] and len(words) > 3 and "within the vocabulary" in words[3]
-                    and words[2] in _THINKER_IDS_IN_TALKER_CONFIG)
+def _keep_unless_a_thinker_id(record: logging.LogRecord) -> bool:
+    """A logging filter: False (drop) for transformers' "Model config: NAME must be `None` or an integer within
+    the vocabulary" warning about one of those ids, True for every other record."""
+    message = record.getMessage()
+    name = message.removeprefix("Model config: ").split(" ", 1)[0]
+    return not (message.startswith("Model config: ") and "within the vocabulary" in message
+                and name in _THINKER_IDS_IN_TALKER_CONFIG)
 
 
 @contextlib.contextmanager
@@ -72,12 +71,11 @@ def thinker_ids_unflagged() -> Iterator[None]:
     all false alarms. Only those are dropped (any other id out of its vocabulary is still reported), only inside
     the block."""
     config_logger = logging.getLogger("transformers.configuration_utils")
-    drop = _ThinkerIdsInTalkerConfig()
-    config_logger.addFilter(drop)
+    config_logger.addFilter(_keep_unless_a_thinker_id)
     try:
         yield
     finally:
-        config_logger.removeFilter(drop)
+        config_logger.removeFilter(_keep_unless_a_thinker_id)
 
 
 def load_part(cls: Any, path: Path, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
