@@ -71,11 +71,13 @@ def thinker_ids_unflagged() -> Iterator[None]:
     all false alarms. Only those are dropped (any other id out of its vocabulary is still reported), only inside
     the block."""
     config_logger = logging.getLogger("transformers.configuration_utils")
+    outermost = _keep_unless_a_thinker_id not in config_logger.filters  # nested blocks: the outer one removes it
     config_logger.addFilter(_keep_unless_a_thinker_id)
     try:
         yield
     finally:
-        config_logger.removeFilter(_keep_unless_a_thinker_id)
+        if outermost:
+            config_logger.removeFilter(_keep_unless_a_thinker_id)
 
 
 def load_part(cls: Any, path: Path, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
