@@ -12,12 +12,15 @@ beside the talker, so the talker's codes in that phase cost 0.71 ms each against
 
 `--engine-only` steps the thinker's engine by itself (no talker, no other stage, no server loop) on a speech
 request's input, with and without the hidden states the talker needs: what handing them on costs the thinker,
-apart from the talker's GPU work beside it.
+apart from the talker's GPU work beside it. `--prefill` times what comes before the first reply token: the
+request's preprocessing and the thinker's first step (its prefill), host wall time and GPU time, with a
+torch.profiler table of one such step (host ops by self time, kernels by GPU time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -85,10 +88,63 @@ def engine_only(path: Path, deploy: dict, params: dict, requests: int, record) -
         engine.shutdown()
 
 
+def prefill(path: Path, deploy: dict, params: dict, requests: int, record) -> None:
+    """Preprocessing and the thinker's first step, one speech request at a time (the first warms up); the last is
+    also profiled."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from omnistage.runtime.launch import build_pipeline
+
+    pipeline = build_pipeline(path, deploy)
+    engine = pipeline.build_engine("thinker")
+    try:
+        for n in range(requests + 2):
+            request = OmniRequest(request_id=f"p{n}", messages=[{"role": "user", "content": PROMPT}],
+                                  stage_params=params, output_modalities=("text", "audio"),
+                                  options={"voice": "Chelsie"})
+            start = time.perf_counter()
+            inp = pipeline.preprocess(request)
+            inp.return_hidden_states = True
+            engine.add_request(inp)
+            added = time.perf_counter()
+            cuda = torch.cuda.is_available()
+            sync = torch.cuda.synchronize if cuda else (lambda: None)
+            gpu_start, gpu_end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
+            sync()
+            if cuda:
+                gpu_start.record()
+            host = time.perf_counter()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities) if n == requests + 1 else contextlib.nullcontext() as prof:
+                outs = engine.step()
+                host_done = time.perf_counter()
+                if cuda:
+                    gpu_end.record()
+                sync()
+            synced = time.perf_counter()
+            while engine.has_work():
+                engine.step()
+            if prof is not None:
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+                if cuda:
+                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+            elif n:
+                record(part="thinker_prefill", prompt_tokens=len(inp.token_ids),
+                       first_token=bool(outs and outs[0].token_ids),
+                       preprocess_ms=round(1000 * (added - start), 3), step_host_ms=round(1000 * (host_done - host), 3),
+                       step_synced_ms=round(1000 * (synced - host), 3),
+                       step_gpu_ms=round(gpu_start.elapsed_time(gpu_end), 3) if cuda else None)
+    finally:
+        engine.shutdown()
+
+
 def main() -> None:
     ap = probe_arguments("of each kind, alternating")
     ap.add_argument("--engine-only", action="store_true", help="the thinker's engine alone, with and without the "
                     "hidden states the talker needs")
+    ap.add_argument("--prefill", action="store_true", help="preprocessing and the thinker's first step, timed and "
+                    "profiled")
     args = ap.parse_args()
     only_graph_buckets(args.graph_buckets)
     record = recorder(args.out)
@@ -98,6 +154,9 @@ def main() -> None:
     deploy = one_at_a_time_deploy(settings)
     if args.engine_only:
         engine_only(path, deploy, params, args.requests, record)
+        return
+    if args.prefill:
+        prefill(path, deploy, params, args.requests, record)
         return
     engine = AsyncOmni(path, deploy)
     try:

@@ -47,6 +47,11 @@ class StageConfig(_Strict):
         "drawn on the device, one CUDA graph replay per burst; needs overlap_decode, and overlap_sampled for "
         "sampled requests). Frees the host (and the interpreter other stages' threads share) from per-token work: "
         "on for the Qwen2.5-Omni talker (32 requests on an H200: first audio 1.33 -> 0.73 s, RTF 0.486 -> 0.470)")
+    prompt_graph_tokens: int = Field(
+        512, ge=0, description="On CUDA, a step that prefills one sequence's prompt (or a chunk of it) of up to this "
+        "many tokens replays a CUDA graph captured for the next token bucket (16, 32, 64, 96, ...) instead of "
+        "launching its kernels one by one: the first token of a 156-token prompt to a 7B model on an H200 came "
+        "~11 ms sooner. 0: prompts always run eagerly (less start-up time and graph memory)")
     enforce_eager: bool = False
     stream_priority: Literal["high", "normal"] | None = Field(
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "

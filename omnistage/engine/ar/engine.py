@@ -40,6 +40,7 @@ class AREngineConfig:
     overlap_decode: bool = True  # keep a greedy decode step in flight while the host handles the last
     overlap_sampled: bool = False  # ... and sampled / penalised ones (tokens drawn on the device)
     decode_burst: int = 1  # decode steps per launch (one graph replay) when every sequence can take them
+    prompt_graph_tokens: int = 512  # one sequence's prompt steps up to this many tokens replay CUDA graphs
     # Hidden states a request can ask for: output name -> layer (0 = embeddings, L = final).
     hidden_state_layers: dict[str, int] = field(default_factory=dict)
     default_params: SamplingParams = field(default_factory=SamplingParams)
@@ -68,6 +69,7 @@ class AREngine:
         self.runner = ModelRunner(
             model, config.block_size, config.max_num_seqs, config.max_model_len, config.enforce_eager,
             graph_layers=self._hidden_layers, burst_steps=config.decode_burst,
+            prompt_graph_tokens=min(config.prompt_graph_tokens, max_batched),
         )
         activation_bytes = self.runner.profile(max_batched)
         num_blocks = plan_num_blocks(
@@ -215,6 +217,7 @@ class AREngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_overlapped_steps": self.num_overlapped_steps,
             "num_burst_steps": self.num_burst_steps,
+            "num_prompt_graph_steps": self.runner.num_prompt_replays,
         }
 
     def shutdown(self) -> None:

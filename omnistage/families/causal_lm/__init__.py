@@ -91,6 +91,7 @@ def ar_engine(
         overlap_decode=cfg.overlap_decode,
         overlap_sampled=cfg.overlap_sampled,
         decode_burst=cfg.decode_burst,
+        prompt_graph_tokens=cfg.prompt_graph_tokens,
         hidden_state_layers=hidden_state_layers or {},
         default_params=cfg.sampling_params(),
     )

@@ -1,5 +1,6 @@
 """Greedy tokens through omnistage equal HF transformers `generate`, for every engine feature
-that must not change outputs: batching, prefix caching, chunked prefill, preemption, decode bursts."""
+that must not change outputs: batching, prefix caching, chunked prefill, preemption, decode bursts, prompt
+graphs."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ SETTINGS = {
     "no_overlap": {"overlap_decode": False},
     "bursts": {"decode_burst": 4},
     "bursts_preemption": {"decode_burst": 5, "num_kv_blocks": 36, "block_size": 4, "max_num_batched_tokens": 32},
+    "eager_prompts": {"prompt_graph_tokens": 0},
 }
 
 
@@ -132,6 +134,24 @@ def test_prefix_cache_hits_keep_outputs(tiny_qwen2: str) -> None:
     assert [o.error for o in cached + plain] == [None] * 6
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
     assert all(o.num_cached_tokens >= 40 for o in cached), [o.num_cached_tokens for o in cached]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="prompt graphs are CUDA graphs")
+@pytest.mark.parametrize("setting", ["whole", "chunks", "cached_prefix"])
+def test_prompt_graphs_keep_outputs(tiny_lm: str, hf_reference, setting: str) -> None:
+    """One sequence's prompt steps replay a graph padded to the next token bucket (whole prompts; 16-token
+    chunks, the skinny-GEMM path; a remainder after a cached prefix): HF's greedy tokens all the same."""
+    prompts, expected = hf_reference(tiny_lm)
+    stage = {"max_num_seqs": 1} | ({"max_num_batched_tokens": 16} if setting == "chunks" else {})
+    with Omni(tiny_lm, deploy(**stage, block_size=4)) as omni:
+        if setting == "cached_prefix":
+            omni.generate([prompts[3][:20]], SamplingParams(max_tokens=1, temperature=0))
+        outs = omni.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+        stats = omni.stats()["lm"]
+    assert_same_tokens([o.token_ids for o in outs], expected)
+    assert stats["num_prompt_graph_steps"] >= len(prompts)
+    if setting == "cached_prefix":
+        assert outs[3].num_cached_tokens >= 16
 
 
 def test_chat_messages_use_the_chat_template(tiny_qwen2: str) -> None:
