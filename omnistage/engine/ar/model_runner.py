@@ -211,15 +211,11 @@ class ModelRunner:
     @staticmethod
     def _explicit_rope(p: _Packed, block: torch.Tensor, row: int) -> None:
         """A sequence's multi-axis rotary positions [axes, n] for its rows from `row` on: where every axis
-        agrees (text: a multi-axis rotary then equals the plain one) they become plain positions, the rest
-        stay explicit. One look at the block rather than one per position."""
-        same = (block == block[:1]).all(dim=0)
-        if bool(same.all()):
-            p.rope[row : row + block.shape[1]] = block[0].tolist()
-            return
-        for j in (~same).nonzero()[:, 0].tolist():
-            p.rope_explicit.append((row + j, block[:, j]))
-        p.rope[row : row + block.shape[1]] = block[0].tolist()  # the explicit rows' are overwritten later
+        agrees (text: a multi-axis rotary then equals the plain one) they are plain positions, the rest stay
+        explicit (`_rope` writes them over the plain ones). One look at the block rather than one per position."""
+        p.rope[row : row + block.shape[1]] = block[0].tolist()
+        differ = (block != block[:1]).any(dim=0).nonzero()[:, 0].tolist()
+        p.rope_explicit += [(row + j, block[:, j]) for j in differ]
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=dtype), self.device)
