@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -408,6 +409,20 @@ class ModelRunner:
 
     # ---- CUDA graphs for decode steps ------------------------------------------------------
 
+    def _capture(self, run: Callable[[], Any], stream: torch.cuda.Stream,
+                 generator: torch.Generator | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """`run` once eagerly (Triton compiles, the allocator settles), then captured on `stream` into the
+        runner's one memory pool (its graphs replay one at a time); returns the graph and what the captured
+        call returned (its static outputs). `generator`'s state advances with every replay."""
+        run()
+        graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream, capture_error_mode="thread_local"):
+            out = run()
+        self._graph_pool = graph.pool()
+        return graph, out
+
     def _capture_graphs(self, num_blocks: int) -> None:
         """Capture one graph per batch-size bucket, sharing one memory pool. Inputs live in static
         device buffers filled from pinned host buffers with two async copies per step."""
@@ -430,7 +445,7 @@ class ModelRunner:
         if getattr(self.model, "graph_embed_adds", False):
             width = self.model.embed(ids[:1]).shape[-1]
             self._dev_adds = torch.zeros(n, width, dtype=self.model.kv_spec.dtype, device=self.device)
-        pool, capture_stream = None, own_capture_stream(self.device)
+        capture_stream = own_capture_stream(self.device)
         for size in reversed(sizes):
             meta = AttentionMetadata(
                 kv_cache=self.kv_cache, slot_mapping=slots[:size], block_tables=self._dev_tables[:size],
@@ -444,13 +459,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden)
                 return logits, logits.argmax(dim=-1), layers
 
-            forward()  # warm up (Triton compiles, allocator settles) outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
-                logits, argmax, layers = forward()
-            pool = graph.pool()
+            graph, (logits, argmax, layers) = self._capture(forward, capture_stream)
             self.graphs[size] = (graph, logits, argmax, layers)
-        self._graph_pool = pool
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs",
                     len(sizes), sizes, time.perf_counter() - started)
@@ -496,15 +506,8 @@ class ModelRunner:
                     ids = draw(self.model.compute_logits(hidden))
                     self._burst_tokens[j, :size].copy_(ids)
 
-            burst()  # warm up outside the capture (padding rows only: the spare block, the spare history row)
-            graph = torch.cuda.CUDAGraph()
-            if generator is not None:
-                graph.register_generator_state(generator)
-            with torch.cuda.graph(graph, pool=self._graph_pool, stream=capture_stream,
-                                  capture_error_mode="thread_local"):
-                burst()
-            self._graph_pool = graph.pool()
-            self.burst_graphs[size] = graph
+            # its warm-up touches padding rows only: the spare block, the spare history row
+            self.burst_graphs[size], _ = self._capture(burst, capture_stream, generator)
         torch.cuda.synchronize(self.device)
         if rng_state is not None:  # serving draws the same noise with or without burst graphs
             generator.set_state(rng_state)
@@ -617,12 +620,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden.index_select(0, last))
                 return logits, logits.argmax(dim=-1), layers
 
-            forward()  # warm up outside the capture (no sequence: attention reads nothing)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool, stream=capture_stream,
-                                  capture_error_mode="thread_local"):
-                logits, argmax, layers = forward()
-            self._graph_pool = graph.pool()
+            # its warm-up has no sequence: attention reads nothing
+            graph, (logits, argmax, layers) = self._capture(forward, capture_stream)
             self.prompt_graphs[size] = (graph, logits, argmax, layers)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d prompt CUDA graphs (up to %d tokens) in %.1fs", len(sizes), n,
