@@ -12,6 +12,7 @@ The omni_qwen2_5.py workload at concurrency 1 (128 text tokens, 600 codes), the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import torch
@@ -112,6 +113,9 @@ def main() -> None:
     ap.add_argument("--keep-second-context", action="store_true",
                     help="once the pipeline is built, a second CUDA context made and kept, idle, through the "
                          "requests (graph_crowd.py's kept_context case)")
+    ap.add_argument("--last-talker", action="append", default=[], metavar="FIELD=VALUE",
+                    help="the last request's talker sampling with this field changed (e.g. presence_penalty=0.1): "
+                         "does a new combination of sampling features stall the talker?")
     ap.add_argument("--log-loads", action="store_true",
                     help="a line whenever Triton loads a kernel's module onto the device (run 36: none during "
                          "requests)")
@@ -144,8 +148,11 @@ def main() -> None:
             if args.reset_context:  # run 35: replays slow once a process captured graphs, till another context ran
                 other_context(torch.cuda.current_device(), args.reset_context)
             trace.begin()
-            result = asyncio.run(one_request(engine_events(engine, f"tail{n}", params)))
+            changed = parse_settings(args.last_talker) if n == args.requests - 1 else {}
+            asked = {**params, "talker": dataclasses.replace(params["talker"], **changed)} if changed else params
+            result = asyncio.run(one_request(engine_events(engine, f"tail{n}", asked)))
             record(part="tail_trace", request=n, settings=settings, graph_buckets=args.graph_buckets,
+                   started=round(trace.start, 4), talker_changed=changed,
                    e2e_s=round(result["e2e"], 4),
                    last_text_s=round(result["last_text"], 4), chunks=result["chunks"], events=trace.finish())
             if args.replay_check:

@@ -70,38 +70,42 @@ if triton is not None:
             lo, hi = tl.where(enough, mid, lo), tl.where(enough, hi, mid)
         return lo.to(tl.int32)
 
-    @triton.jit
+    # `features` bits: which of a batch's sampling features any row uses. Runtime flags, not constexprs, so one
+    # compiled kernel serves every combination: a request with a new mix of settings does not stop the stage for
+    # the seconds a compile takes (it did, 3.2-3.3 s, run 38a).
+    _REPETITION, _FREQUENCY, _PRESENCE, _BAN = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4), tl.constexpr(8)
+    _GREEDY, _RECORD, _FILTER, _SAMPLE = tl.constexpr(16), tl.constexpr(32), tl.constexpr(64), tl.constexpr(128)
+
+    @triton.jit(do_not_specialize=["features"])
     def _draw_kernel(Logits, Noise, Out, Temperature, Greedy, TopK, TopP, MinP, Repetition, Frequency, Presence,
                      Ban, Seen, Counts, Slots, CandidateKeys, CandidateWeights, vocab, stride_logits, stride_noise,
-                     stride_ban, stride_history,
-                     ALL_GREEDY: tl.constexpr, FILTER: tl.constexpr, REPETITION: tl.constexpr,
-                     FREQUENCY: tl.constexpr, PRESENCE: tl.constexpr, BAN: tl.constexpr, GREEDY: tl.constexpr,
-                     RECORD: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_ban, stride_history, features, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         ids = tl.arange(0, BLOCK)
         valid = ids < vocab
         x = tl.load(Logits + row * stride_logits + ids, mask=valid, other=float("-inf"))
-        if REPETITION or FREQUENCY or PRESENCE or RECORD:
+        history = tl.full((), 0, tl.int64)
+        if (features & (_REPETITION | _FREQUENCY | _PRESENCE | _RECORD)) != 0:
             history = tl.load(Slots + row).to(tl.int64) * stride_history
-        if REPETITION:
+        if (features & _REPETITION) != 0:
             seen = tl.load(Seen + history + ids, mask=valid, other=0) != 0
             penalty = tl.load(Repetition + row)
             x = tl.where(seen, tl.where(x > 0, x / penalty, x * penalty), x)
-        if FREQUENCY or PRESENCE:
+        if (features & (_FREQUENCY | _PRESENCE)) != 0:
             counts = tl.load(Counts + history + ids, mask=valid, other=0.0)
-            if FREQUENCY:
+            if (features & _FREQUENCY) != 0:
                 x = x - tl.load(Frequency + row) * counts
-            if PRESENCE:
+            if (features & _PRESENCE) != 0:
                 x = x - tl.load(Presence + row) * (counts > 0).to(tl.float32)
-        if BAN:
+        if (features & _BAN) != 0:
             banned = tl.load(Ban + row * stride_ban + ids, mask=valid, other=0) != 0
             x = tl.where(banned, float("-inf"), x)
         token = tl.argmax(x, 0, tie_break_left=True)
-        if not ALL_GREEDY:
+        if (features & _SAMPLE) != 0:
             x = x / tl.load(Temperature + row)
             top = tl.max(x, 0)
             keep = valid
-            if FILTER:
+            if (features & _FILTER) != 0:
                 key = _ordered(x)
                 k = tl.load(TopK + row).to(tl.int32)
                 if k < vocab:  # the keys at or above the k-th largest
@@ -135,14 +139,24 @@ if triton is not None:
             score = tl.where(keep, tl.exp(x - top), -1.0)
             noise = tl.load(Noise + row * stride_noise + ids, mask=valid, other=1.0)
             sampled = tl.argmax(score / noise, 0, tie_break_left=True)
-            if GREEDY:
-                token = tl.where(tl.load(Greedy + row) != 0, token, sampled)
-            else:
-                token = sampled
+            greedy = tl.full((), False, tl.int1)
+            if (features & _GREEDY) != 0:
+                greedy = tl.load(Greedy + row) != 0
+            token = tl.where(greedy, token, sampled)
         tl.store(Out + row, token.to(tl.int64))
-        if RECORD:
+        if (features & _RECORD) != 0:
             tl.store(Seen + history + token, tl.full((), 1, tl.int1))
             tl.atomic_add(Counts + history + token, 1.0)  # padded rows share one slot
+
+
+_UNUSED: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _unused(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One element of `dtype` on `device`: the pointer an unused feature's argument gets (never read)."""
+    if (device, dtype) not in _UNUSED:
+        _UNUSED[device, dtype] = torch.zeros(1, dtype=dtype, device=device)
+    return _UNUSED[device, dtype]
 
 
 def draw(logits: torch.Tensor, noise: torch.Tensor | None, temperature: torch.Tensor,
@@ -159,22 +173,26 @@ def draw(logits: torch.Tensor, noise: torch.Tensor | None, temperature: torch.Te
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     block = triton.next_power_of_2(vocab)
     history = seen if seen is not None else counts
+    # which features any row uses, as the kernel's `features` bits (1, 2, 4, ... in this order)
+    on = (repetition is not None, frequency is not None, presence is not None, ban is not None, greedy is not None,
+          record, top_k is not None, noise is not None)
+    features = sum(1 << bit for bit, used in enumerate(on) if used)
+    floats, flags, longs = (_unused(logits.device, dtype) for dtype in (torch.float32, torch.bool, torch.long))
 
-    def pointer(t: torch.Tensor | None) -> torch.Tensor:
-        return t if t is not None else logits  # an unused pointer (its feature's constexpr is off)
+    def given(t: torch.Tensor | None, unused: torch.Tensor) -> torch.Tensor:
+        return t if t is not None else unused  # an unused feature's pointer, of its dtype: one kernel signature
 
+    # an unused table's row stride as the logits': Triton specialises on a stride's divisibility (kept: it lets
+    # the row loads vectorise), so an unused one must not differ from a used one
+    strides = [t.stride(0) if t is not None else logits.stride(0) for t in (logits, noise, ban, history)]
     filtered = top_p is not None  # top-p's scratch: the rows' survivors of top-k, packed
     keys = torch.empty(rows, CANDIDATES if filtered else 1, dtype=torch.int32, device=logits.device)
     weights = torch.empty(rows, CANDIDATES if filtered else 1, dtype=torch.float32, device=logits.device)
     _draw_kernel[(rows,)](
-        logits, pointer(noise), out, temperature, *map(pointer, (greedy, top_k, top_p, min_p, repetition,
-                                                                 frequency, presence, ban, seen, counts, slots)),
-        keys, weights,
-        vocab, logits.stride(0), noise.stride(0) if noise is not None else 0,
-        ban.stride(0) if ban is not None else 0, history.stride(0) if history is not None else 0,
-        ALL_GREEDY=noise is None, FILTER=top_k is not None, REPETITION=repetition is not None,
-        FREQUENCY=frequency is not None, PRESENCE=presence is not None, BAN=ban is not None,
-        GREEDY=greedy is not None, RECORD=record, CANDIDATES=CANDIDATES,
-        BLOCK=block, num_warps=num_warps or max(4, min(16, block // 1024)),
+        logits, given(noise, floats), out, temperature, given(greedy, flags), given(top_k, floats),
+        given(top_p, floats), given(min_p, floats), given(repetition, floats), given(frequency, floats),
+        given(presence, floats), given(ban, flags), given(seen, flags), given(counts, floats), given(slots, longs),
+        keys, weights, vocab, *strides, features,
+        CANDIDATES=CANDIDATES, BLOCK=block, num_warps=num_warps or max(4, min(16, block // 1024)),
     )
     return out

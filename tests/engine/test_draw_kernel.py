@@ -35,6 +35,30 @@ def _rows(params: list[SamplingParams], history: list[tuple[list[int], list[int]
             in enumerate(zip(params, history, strict=True))]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles only on CUDA (on CPU the interpreter runs it)")
+def test_one_compiled_kernel_serves_every_mix_of_settings(monkeypatch) -> None:
+    """After the start-up warm-up, no batch's mix of sampling settings compiles the draw again: each such compile
+    stopped the talker for ~3 s, in the first speech request and in the first with a new penalty (run 38a)."""
+    from triton.runtime import driver
+
+    vocab = 1000
+    Sampler.warm_up(vocab, DEVICE)
+    loads, utils = [], driver.active.utils
+    load = utils.load_binary
+    monkeypatch.setattr(utils, "load_binary", lambda name, *args: (loads.append(name), load(name, *args))[1])
+    gen = torch.Generator().manual_seed(0)
+    history_lists = [([1, 2, 3], torch.randint(0, vocab, (i,), generator=gen).tolist()) for i in range(len(PARAMS))]
+    mixes = [[p] for p in PARAMS] + [PARAMS, PARAMS[3:5], [SamplingParams(temperature=0.0)]]
+    for mix in mixes:
+        history = TokenHistory(len(mix) + 1, vocab, DEVICE)
+        slots = torch.arange(len(mix), device=DEVICE)
+        sampler = Sampler(seed=1)
+        cols = sampler.columns(_rows(mix, history_lists[: len(mix)]), vocab, DEVICE)
+        sampler.draw(torch.randn(len(mix), vocab, generator=gen).to(DEVICE), cols, history, slots)
+    torch.cuda.synchronize()
+    assert not loads, f"compiled or loaded again: {loads}"
+
+
 @pytest.mark.parametrize("vocab", [300, 1000])
 def test_kernel_draws_what_torch_draws(kernel_everywhere, vocab: int) -> None:
     gen = torch.Generator().manual_seed(vocab)
