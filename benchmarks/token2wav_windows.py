@@ -62,6 +62,27 @@ def one_shot(decoder: models.Token2Wav, limit: int) -> torch.Tensor:
     return tensors["audio"]
 
 
+def first_use_rows(model, voices: dict, device: torch.device, record) -> None:
+    """Host and device milliseconds of eager vocoder passes at batch 1: each length new, then the same lengths
+    again; for cuDNN on (torch's default) and off."""
+    decoder = models.Token2Wav(model, voices, device, window=48, max_window=192)
+    decoder.warm_up()
+    lengths = [112, 113, 130, 157, 190, 210]
+    for cudnn in (True, False):
+        torch.backends.cudnn.enabled = cudnn
+        for when in ("first", "again"):
+            for frames in lengths:
+                mel = torch.randn(1, decoder.dit.mel_dim, frames + (0 if cudnn else 1000), device=device)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                decoder._vocode(mel)
+                host = time.perf_counter() - start
+                torch.cuda.synchronize()
+                record(part="vocoder_first_use", cudnn=cudnn, when=when, frames=mel.shape[-1],
+                       host_ms=round(1e3 * host, 2), synced_ms=round(1e3 * (time.perf_counter() - start), 2))
+    torch.backends.cudnn.enabled = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
@@ -84,6 +105,9 @@ def main() -> None:
     ap.add_argument("--vocoder", action="store_true",
                     help="instead: the vocoder alone (graph replay) by mel frames and batch in float32 with cuDNN's "
                          "TF32 off, as torch leaves it, and in bfloat16; each one's distance from the first")
+    ap.add_argument("--first-use", action="store_true",
+                    help="instead: an eager vocoder pass (a request's last window) at mel lengths not seen before, "
+                         "then again, with cuDNN on and off: what a new length costs the first time")
     args = ap.parse_args()
     from transformers import Qwen2_5OmniConfig
 
@@ -99,6 +123,8 @@ def main() -> None:
 
     record = recorder(args.out)
 
+    if args.first_use:
+        return first_use_rows(model, voices, device, record)
     if args.vocoder:
         vocoder_rows(model, voices, device, record)
         return
