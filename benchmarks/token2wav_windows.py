@@ -72,6 +72,7 @@ def first_use_rows(model, voices: dict, device: torch.device, record) -> None:
         torch.backends.cudnn.enabled = cudnn
         for when in ("first", "again"):
             for frames in lengths:
+                # cuDNN off gets lengths of its own (+1000), so its "first" passes are new lengths too
                 mel = torch.randn(1, decoder.dit.mel_dim, frames + (0 if cudnn else 1000), device=device)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -124,7 +125,8 @@ def main() -> None:
     record = recorder(args.out)
 
     if args.first_use:
-        return first_use_rows(model, voices, device, record)
+        first_use_rows(model, voices, device, record)
+        return
     if args.vocoder:
         vocoder_rows(model, voices, device, record)
         return

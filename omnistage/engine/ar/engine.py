@@ -95,8 +95,8 @@ class AREngine:
         self._columns: tuple[tuple, SamplingColumns, torch.Tensor] | None = None  # the last decode batch's
         self._arrivals = 0
         self._static_draw: StaticDraw | None = None
-        # the logits' width
-        vocab = self.runner.graphs[min(self.runner.graphs)][1].shape[-1] if self.runner.graphs else model.vocab_size
+        graphs = self.runner.graphs
+        vocab = graphs[min(graphs)][1].shape[-1] if graphs else model.vocab_size  # the logits' width
         self.sampler.warm_up(vocab, model.device)
         if self.runner.graphs and self.runner.burst_steps > 1:
             self.history = TokenHistory(config.max_num_seqs + 1, vocab, model.device)
