@@ -22,6 +22,7 @@ each) or the one `--deploy-config` names; `--backends process` puts each stage i
     python benchmarks/omni_qwen2_5.py --parts ours --backends inline,process    # both backends
     python benchmarks/omni_qwen2_5.py --parts ours --deploy-config configs/qwen2_5_omni/2gpu.yaml   # two GPUs
     python benchmarks/omni_qwen2_5.py --parts ours --http         # through the real HTTP server
+    python benchmarks/omni_qwen2_5.py --parts ours --vary-codes 96   # every request a length not seen before
     python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
 
 token2wav alone (window sizes, batches, DiT precision): benchmarks/token2wav_windows.py; the talker alone:
@@ -44,7 +45,7 @@ import traceback
 from base64 import b64decode
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -175,15 +176,15 @@ async def http_events(client: httpx.AsyncClient, url: str, params: dict) -> Asyn
             yield bool(delta.get("content") or choice.get("token_ids")), samples, prompt
 
 
-async def http_wave(url: str, n: int, params: dict) -> list[dict]:
-    """n concurrent requests through the server at `url`, each timed by `one_request`."""
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=n)) as client:
-        return await asyncio.gather(*(one_request(http_events(client, url, params)) for _ in range(n)))
+async def http_wave(url: str, params: list[dict]) -> list[dict]:
+    """A request per item of `params` through the server at `url`, all at once, each timed by `one_request`."""
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=len(params))) as client:
+        return await asyncio.gather(*(one_request(http_events(client, url, p)) for p in params))
 
 
-def run_http_wave(url: str, n: int, params: dict) -> list[dict]:
+def run_http_wave(url: str, params: list[dict]) -> list[dict]:
     """`http_wave` from a client process of its own."""
-    return asyncio.run(http_wave(url, n, params))
+    return asyncio.run(http_wave(url, params))
 
 
 async def one_request(events: AsyncIterator[tuple[bool, int, int]]) -> dict:
@@ -336,8 +337,21 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
          tf32: bool = False, stream_priority: str = "auto", profile_dir: Path | None = None,
          overlap_decode: bool = True, overlap_sampled: bool | None = None, settings: dict[str, Any] | None = None,
          timeline_out: Path | None = None, gc_compare: bool = False, switch_intervals: list[float] = (),
-         deploy_config: Path = DEPLOY, http: str | None = None, step_trace: bool = False) -> None:
+         deploy_config: Path = DEPLOY, http: str | None = None, step_trace: bool = False,
+         vary_codes: int = 0) -> None:
     params = request_params(path, thinker_tokens, codes)
+    sent = 0  # requests so far, warm-up included (--vary-codes: each one's code count)
+
+    def wave_params(n: int) -> list[dict]:
+        """The next n requests' sampling: all `params`, or with --vary-codes a code count of its own per request
+        (codes, codes - 1, ... down to codes - vary_codes + 1, then again): lengths a server has not seen yet."""
+        nonlocal sent
+        out = []
+        for k in range(sent, sent + n):
+            count = codes - k % vary_codes if vary_codes else codes
+            out.append({**params, "talker": replace(params["talker"], max_tokens=count)})
+        sent += n
+        return out
     steps = None
     if step_trace:
         from step_trace import StepTrace
@@ -372,14 +386,15 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             sampler = asyncio.ensure_future(sample_stages(engine, start))
             if steps is not None:
                 steps.begin()
+            each = wave_params(n)
             if server is None:
-                requests = asyncio.gather(*(one_request(engine_events(engine, f"c{n}-{i}", params))
-                                            for i in range(n)))
+                requests = asyncio.gather(*(one_request(engine_events(engine, f"c{n}-{i}", p))
+                                            for i, p in enumerate(each)))
             elif client_process is None:  # the client beside the server, in this process
-                requests = http_wave(server.url, n, params)
+                requests = http_wave(server.url, each)
             else:  # the client in a process of its own, as a user's would be
                 requests = asyncio.get_running_loop().run_in_executor(client_process, run_http_wave, server.url,
-                                                                      n, params)
+                                                                      each)
             try:  # a stuck run reports, not hangs
                 results = await asyncio.wait_for(requests, wave_timeout_s)
             except TimeoutError:
@@ -423,7 +438,7 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
                    decode_burst=deploy["stages"]["talker"].get("decode_burst", 1),
                    settings=settings or {}, concurrency=n, requests=len(runs[0][0]),
                    prompt_tokens=results[0]["prompt"],
-                   thinker_tokens=thinker_tokens, codes=codes,
+                   thinker_tokens=thinker_tokens, codes=codes, vary_codes=vary_codes,
                    ttfp_s_median=round(statistics.median(r["ttfp"] for r in results), 3),
                    e2e_s_median=round(statistics.median(r["e2e"] for r in results), 3),
                    rtf_median=round(statistics.median(r["e2e"] / r["audio"] for r in results), 3),
@@ -503,6 +518,9 @@ def main() -> None:
                     help="sampled (talker) decode steps in flight, drawn on the device; default: the deploy config's")
     ap.add_argument("--wave-timeout", type=float, default=240.0, help="seconds before a wave counts as stuck")
     ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--vary-codes", type=int, default=0, metavar="N",
+                    help="request k asks for codes - k %% N codes (warm-up included): lengths not seen before, as "
+                         "a server meets them (0: every request the same)")
     ap.add_argument("--profile", type=Path, help="also write a torch profiler trace of one wave per concurrency here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a deploy-config setting (YAML value), e.g. stages.token2wav.dtype=bfloat16; repeatable")
@@ -540,7 +558,8 @@ def main() -> None:
                      settings=parse_settings(args.set),
                      timeline_out=args.timeline, gc_compare=args.gc_compare,
                      switch_intervals=[float(x) for x in args.switch_intervals.split(",") if x],
-                     deploy_config=args.deploy_config, http=args.http, step_trace=args.step_trace)
+                     deploy_config=args.deploy_config, http=args.http, step_trace=args.step_trace,
+                     vary_codes=args.vary_codes)
             except Exception as exc:  # one backend's failure still leaves the others and HF to measure
                 traceback.print_exc()
                 record(part="omnistage", backend=backend, error=f"{type(exc).__name__}: {exc}")

@@ -260,6 +260,10 @@ TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolea
     "overlap_vocoder_max_batch": ("on CUDA, the vocoder of a batch of up to this many windows runs on a stream "
                                   "of its own, so a request's next window is solved while the last one is "
                                   "vocoded; 0: never (default: 2)", 0),
+    "widen_vocoder_spans": ("true (default): a window whose vocoder span has no CUDA graph (a request's last, "
+                            "mostly) is vocoded at a captured length, with more of the request's earlier mel on "
+                            "its left, not eagerly at a new length (cuDNN plans each new length for ~0.2-0.9 s, "
+                            "holding the stage)", None),
     "vocoder_dtype": ("the vocoder's convolutions: float32 (default) or bfloat16 (CUDA: tensor cores, less exact)",
                       models.VOCODER_DTYPES),
 }

@@ -273,7 +273,9 @@ class Token2Wav:
     Same-length windows of different requests share one flow-matching solve and one vocoder pass. On CUDA
     both are captured as graphs at start-up for the first- and middle-window shapes (batches of 1, 2, 4, ...
     up to `max_batch`, see BatchGraphs); a shorter window (a request's last) is solved padded to the next
-    captured length (the solve never lets real frames see padding), and only its vocoder pass runs eagerly.
+    captured length (the solve never lets real frames see padding), and its vocoder pass takes more of the
+    request's earlier mel on its left, up to a captured length (`_widened`; eager only where there is too little,
+    in an utterance shorter than its first window; `widen_vocoder_spans=False`: eager at the span's own length).
     `tf32`: the DiT's float32 matmuls on TensorFloat-32 tensor cores (faster, a little less exact).
     `cublas_sm_carveout`: SMs the solve's cuBLAS matmuls leave to the other stages (`matmul_sm_carveout`) in
     batches of up to `carveout_max_batch` windows (None: every batch): latency where few requests speak, with
@@ -292,7 +294,8 @@ class Token2Wav:
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
                  use_graphs: bool = True, max_batch: int = 16, tf32: bool = False, kept_context: bool = True,
                  cublas_sm_carveout: int = 0, carveout_max_batch: int | None = None,
-                 overlap_vocoder_max_batch: int = 2, vocoder_dtype: str = "float32"):
+                 overlap_vocoder_max_batch: int = 2, vocoder_dtype: str = "float32",
+                 widen_vocoder_spans: bool = True):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
         self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder runs in vocoder_dtype whatever this is
@@ -342,6 +345,8 @@ class Token2Wav:
         # no carveout for the vocoder: its convolutions are cuDNN's, which it does not reach (run 18d)
         self.vocode = BatchGraphs(self._vocode, max_batch, pool=vocoder_pool)
         self.solve_lengths: list[int] = []  # codes per window the solve has graphs for (warm_up)
+        self.vocoder_lengths: list[int] = []  # mel frames the vocoder has graphs for (warm_up)
+        self.widen_vocoder_spans = widen_vocoder_spans
         self._window_at: dict[int, int] = {}  # _next_window's answers
 
     def carveout_for(self, batch: int) -> int:
@@ -367,7 +372,8 @@ class Token2Wav:
                                       features, torch.full((1,), frames, device=self.device), *kept):
                     self.solve_lengths = sorted([*self.solve_lengths, codes])
             for frames in {frames for _, frames in shapes}:
-                self.vocode.capture(torch.zeros(1, self.dit.mel_dim, frames, device=self.device))
+                if self.vocode.capture(torch.zeros(1, self.dit.mel_dim, frames, device=self.device)):
+                    self.vocoder_lengths = sorted([*self.vocoder_lengths, frames])
         logger.info("token2wav: captured %d solve and %d vocoder graphs in %.1fs", len(self.solve.graphs),
                     len(self.vocode.graphs), time.perf_counter() - started)
 
@@ -432,7 +438,8 @@ class Token2Wav:
         mels = self._grouped(plans, lambda i: lengths[i], lambda members: self._mels(
             [inputs[i] for i in members], [plans[i] for i in members], lengths[members[0]]))
         r = self.dit.repeats
-        spans = {i: self._vocoder_span(inputs[i].params.get("emitted", 0), plan) for i, plan in plans.items()}
+        spans = {i: self._widened(inputs[i], plan, self._vocoder_span(inputs[i].params.get("emitted", 0), plan))
+                 for i, plan in plans.items()}
         vocoder_mels = {i: self._vocoder_mel(inputs[i], plans[i], spans[i], mels[i]) for i in plans}
         samples = {}  # per window: (first sample kept, how many)
         for i, (_, keep_end, _) in plans.items():
@@ -440,9 +447,9 @@ class Token2Wav:
             done = inp.params.get("emitted", 0)
             samples[i] = ((done * r - lo) * self.HOP, (keep_end - done) * r * self.HOP)
             inp.params["emitted"] = keep_end
-            if self.kept_context and self.vocoder_context:  # the next window's vocoder context on the left
+            if self.kept_context and self.vocoder_context:  # the next windows' vocoder context on the left
                 kept_mel = vocoder_mels[i][:, :, : keep_end * r - lo]
-                inp.params["mel_tail"] = kept_mel[:, :, max(0, kept_mel.shape[-1] - self.vocoder_context) :]
+                inp.params["mel_tail"] = self._mel_history(inp, done * r - lo, kept_mel)
         finished = [inp.final and (i not in plans or inp.params["emitted"] == len(inp.token_ids))
                     for i, inp in enumerate(inputs)]
         # the vocoder's batches (windows with as many mel frames), joined on the solve's stream before the event
@@ -524,6 +531,31 @@ class Token2Wav:
         (start, keep_end, end), r = plan, self.dit.repeats
         first = 0 if self.kept_context else start * r
         return max(done * r - self.vocoder_context, first), min(keep_end * r + self.vocoder_context, end * r)
+
+    def _widened(self, inp: StageInput, plan: tuple[int, int, int], span: tuple[int, int]) -> tuple[int, int]:
+        """A vocoder span of a length with no graph (a request's last window, mostly) moved left, onto mel of the
+        request's earlier windows, to the shortest length that has one: its new samples then come with more left
+        context than `vocoder_context`, where an eager pass at a length never seen before costs cuDNN ~0.17 s
+        (up to 0.9) of host time to plan, once per length (run 38d). As is where too little earlier mel is kept
+        (an utterance shorter than the first window) or no graph is longer."""
+        lo, hi = span
+        if not self.widen_vocoder_spans or hi - lo in self.vocoder_lengths:
+            return span
+        kept = inp.params["mel_tail"].shape[-1] if "mel_tail" in inp.params else 0
+        earliest = plan[0] * self.dit.repeats - kept  # the first frame with mel at hand
+        longer = next((n for n in self.vocoder_lengths if n > hi - lo), None)
+        return (hi - longer, hi) if longer is not None and hi - longer >= earliest else span
+
+    def _mel_history(self, inp: StageInput, before: int, mel: torch.Tensor) -> torch.Tensor:
+        """The request's last mel frames, up to the longest vocoder graph's length (what `_widened` may reach
+        back into), ending where `mel` (this window's vocoder input up to its last kept frame, whose first
+        `before` frames came from the history itself) ends."""
+        longest = max(self.vocoder_lengths, default=0) if self.widen_vocoder_spans else 0
+        keep = max(longest, self.vocoder_context)
+        if "mel_tail" in inp.params and mel.shape[-1] < keep:
+            earlier = inp.params["mel_tail"]
+            mel = torch.cat([earlier[:, :, : earlier.shape[-1] - before], mel], dim=-1)
+        return mel[:, :, max(0, mel.shape[-1] - keep) :]
 
     def _vocoder_mel(self, inp: StageInput, plan: tuple[int, int, int], span: tuple[int, int], mel: torch.Tensor
                      ) -> torch.Tensor:

@@ -671,3 +671,55 @@ def test_short_windows_join_a_captured_length_without_changing_the_audio(tiny_qw
     for got, expected in zip(together, alone, strict=True):
         assert got.shape == expected.shape
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_last_window_of_a_new_length_is_vocoded_at_a_captured_one(tiny_qwen2_5_omni: str) -> None:
+    """With vocoder graphs (their lengths set by hand, the passes eager on the CPU) a last window whose mel span
+    has no graph takes more of the request's earlier mel on its left, up to a captured length, instead of an
+    eager pass at a new length (cuDNN plans each new length for ~0.17 s, run 38d): the same chunks, the last one
+    within 1e-5 RMS here (more left context than `vocoder_context`); earlier ones equal. An utterance shorter
+    than its first window has no earlier mel and keeps its own length; `widen_vocoder_spans=False` keeps every
+    span's own length."""
+    from transformers import Qwen2_5OmniConfig
+
+    from omnistage.engine.types import StageInput
+    from omnistage.families.qwen2_5_omni import models
+
+    path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
+    config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
+    model, voices = models.load_token2wav(path, config, cpu), models.load_voices(path)
+    codes = torch.randint(0, config.dit_config.num_embeds - 1, (50,), generator=torch.Generator().manual_seed(0))
+
+    def stream(decoder: models.Token2Wav, count: int) -> tuple[list[np.ndarray], list[int]]:
+        """Codes one at a time; each ready step decodes what the decoder plans. Also the vocoder's mel lengths."""
+        lengths: list[int] = []
+        vocode = decoder.vocode
+        decoder.vocode = lambda mel: lengths.append(mel.shape[-1]) or vocode(mel)
+        inp, chunks = StageInput("r", [], params={"voice": VOICE, "seed": 0}, final=False), []
+        for n in range(1, count + 1):
+            inp.token_ids, inp.final = codes[:n].tolist(), n == count
+            while decoder.ready(inp):
+                ((tensors, finished),) = decoder.generate([inp])
+                chunks.append(tensors["audio"].numpy())
+                if finished:
+                    return chunks, lengths
+        return chunks, lengths
+
+    def decoder(captured: bool, widen: bool = True) -> models.Token2Wav:
+        decoder = models.Token2Wav(model, voices, cpu, window=24, first_window=12, widen_vocoder_spans=widen)
+        if captured:
+            decoder.vocoder_lengths = sorted({frames for _, frames in decoder.window_shapes()})
+        return decoder
+
+    (eager, eager_lengths), (widened, widened_lengths) = stream(decoder(False), 50), stream(decoder(True), 50)
+    assert (eager_lengths, widened_lengths) == ([40, 80, 44], [40, 80, 80])  # the last window: 14 codes
+    assert [len(c) for c in widened] == [len(c) for c in eager]
+    for earlier, again in zip(eager[:-1], widened[:-1], strict=True):
+        np.testing.assert_array_equal(again, earlier)
+    assert np.sqrt(np.mean((widened[-1] - eager[-1]) ** 2) / np.mean(eager[-1] ** 2)) < 1e-5
+    off, off_lengths = stream(decoder(True, widen=False), 50)  # the option off: as without graphs
+    assert off_lengths == eager_lengths
+    for chunk, again in zip(eager, off, strict=True):
+        np.testing.assert_array_equal(again, chunk)
+    short, short_lengths = stream(decoder(True), 8)
+    assert short_lengths == [16] and len(short) == 1  # nothing earlier to widen onto
