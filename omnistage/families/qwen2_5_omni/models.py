@@ -536,7 +536,8 @@ class Token2Wav:
         """A vocoder span of a length with no graph (a request's last window, mostly) moved left, onto mel of the
         request's earlier windows, to the shortest length that has one: its new samples then come with more left
         context than `vocoder_context`, where an eager pass at a length never seen before costs cuDNN ~0.17 s
-        (up to 0.9) of host time to plan, once per length (run 38d). As is where too little earlier mel is kept
+        (up to 0.9) of host time to plan, once per length (run 38d), and halved 32 requests' throughput where every
+        request had a new length (run 41a). As is where too little earlier mel is kept
         (an utterance shorter than the first window) or no graph is longer."""
         lo, hi = span
         if not self.widen_vocoder_spans or hi - lo in self.vocoder_lengths:
