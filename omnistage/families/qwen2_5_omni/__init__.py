@@ -261,8 +261,9 @@ TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolea
     "right": ("codes of look-ahead each window waits for; default: what the DiT attends ahead to", 0),
     "vocoder_context": ("mel frames of context on each side of a window for the vocoder", 0),
     "num_steps": ("flow-matching ODE steps", 2),
-    "tf32": ("true: the float32 DiT's matmuls run on TensorFloat-32 tensor cores (faster, slightly less exact)",
-             None),
+    "tf32": ("true: the float32 DiT's matmuls run on TensorFloat-32 tensor cores (faster, slightly less exact; "
+             "torch's process-wide switch, held while a solve launches: a float32 thinker or talker inline beside "
+             "it may get TF32 matmuls then too)", None),
     "cublas_sm_carveout": ("SMs the DiT's cuBLAS matmuls leave free for the other stages' kernels", 0),
     "carveout_max_batch": ("the largest batch of windows cublas_sm_carveout applies to (default: all)", 1),
     "overlap_vocoder_max_batch": ("on CUDA, the vocoder of a batch of up to this many windows runs on a stream "
