@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import logging
 from typing import Any, ClassVar
 
 import torch
@@ -25,8 +24,6 @@ from omnistage.families.qwen2_5_omni import models
 from omnistage.media import MEDIA_PART_TYPES, MediaLimits, load_part
 from omnistage.runtime.messages import OmniOutput, OmniRequest
 from omnistage.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 # The system prompt the released model was trained to speak under.
 SPEECH_SYSTEM_PROMPT = (
@@ -149,11 +146,6 @@ class OmniPipeline(TextPipeline):
             return ar_engine(stage, cfg, model, talker_cfg, None, tuple(sorted(self.codec_stops)))
         if stage == "token2wav":
             dit_dtype = torch.float32 if cfg.dtype == "auto" else getattr(torch, cfg.dtype)  # fp32 unless asked
-            if dev.type == "cuda" and dit_dtype == torch.float32 and not cfg.options.get("tf32"):
-                logger.info("token2wav: the DiT runs in strict float32 (the default, as transformers runs it). Its "
-                            "matmuls then run without tensor cores: on one H200 a request took 2.61 s against 1.26 "
-                            "with stages.token2wav.dtype=bfloat16 (1.39 with options.tf32=true), and 32 at once "
-                            "0.91 against 5.90 per second (4.26), with playback stalls (results run 42c)")
             t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev, dit_dtype)
             decoder = models.Token2Wav(t2w, models.load_voices(self.model_path), dev, use_graphs=not cfg.enforce_eager,
                                        max_batch=cfg.max_num_seqs, **token2wav_options(cfg.options))
