@@ -300,9 +300,10 @@ class Token2Wav:
         self.dit = model.code2wav_dit_model
         self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder runs in vocoder_dtype whatever this is
         if device.type == "cuda" and self.dit_dtype == torch.float32 and not tf32:
-            logger.info("token2wav: the DiT runs in strict float32 (the default, as transformers runs it), its "
-                        "matmuls without tensor cores: several times slower under load, with playback stalls. "
-                        "For serving set stages.token2wav.dtype: bfloat16 (or options.tf32: true); see the README")
+            logger.info("token2wav: the DiT runs in float32 (the default, as transformers runs it), its matmuls as "
+                        "exact 3xTF32 products: several times slower than bfloat16 under load, with playback "
+                        "stalls. For serving set stages.token2wav.dtype: bfloat16 (or options.tf32: true); see the "
+                        "README")
         # The DiT attends within blocks of `block` codes, one block further back per look-backward layer
         # and one further ahead per look-ahead layer: the default context is those blocks.
         dit = self.dit.config
