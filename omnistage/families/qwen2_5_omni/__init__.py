@@ -260,7 +260,8 @@ TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolea
     "carveout_max_batch": ("the largest batch of windows cublas_sm_carveout applies to (default: all)", 1),
     "overlap_vocoder_max_batch": ("on CUDA, the vocoder of a batch of up to this many windows runs on a stream "
                                   "of its own, so a request's next window is solved while the last one is "
-                                  "vocoded; 0: never (default: 2)", 0),
+                                  "vocoded; 0: never (default: 2, or 0 with the DiT in strict float32, whose "
+                                  "long solves starve the vocoder beside them)", 0),
     "widen_vocoder_spans": ("true (default): a window whose vocoder span has no CUDA graph (a request's last, "
                             "mostly) is vocoded at a captured length, with more of the request's earlier mel on "
                             "its left, not eagerly at a new length (cuDNN plans each new length for ~0.2-0.9 s, "
@@ -312,8 +313,7 @@ class Qwen25OmniFamily:
                 "talker": {"gpu_memory_utilization": 0.25, "default_sampling_params": talker,
                            "overlap_sampled": True, "decode_burst": 8},
                 "token2wav": {"max_num_seqs": 32, "options": {"window": 48, "max_window": 192, "cublas_sm_carveout": 32,
-                                                              "carveout_max_batch": 2,
-                                                              "overlap_vocoder_max_batch": 2}},
+                                                              "carveout_max_batch": 2}},
             },
         }
         if torch.cuda.device_count() >= 2:

@@ -281,8 +281,8 @@ class Token2Wav:
     batches of up to `carveout_max_batch` windows (None: every batch): latency where few requests speak, with
     the larger batches of a busy server left at full speed. `overlap_vocoder_max_batch` > 0 (CUDA): the vocoder
     runs on a stream of its own, and after a batch of up to that many windows the next solve starts beside it
-    (see `launch`). `vocoder_dtype` "bfloat16" (CUDA): the vocoder's convolutions in bfloat16 on tensor cores;
-    its activations still compute in float32.
+    (see `launch`; None: `default_vocoder_overlap`). `vocoder_dtype` "bfloat16" (CUDA): the vocoder's
+    convolutions in bfloat16 on tensor cores; its activations still compute in float32.
     """
 
     HOP = 240  # waveform samples per mel frame
@@ -294,7 +294,7 @@ class Token2Wav:
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
                  use_graphs: bool = True, max_batch: int = 16, tf32: bool = False, kept_context: bool = True,
                  cublas_sm_carveout: int = 0, carveout_max_batch: int | None = None,
-                 overlap_vocoder_max_batch: int = 2, vocoder_dtype: str = "float32",
+                 overlap_vocoder_max_batch: int | None = None, vocoder_dtype: str = "float32",
                  widen_vocoder_spans: bool = True):
         self.model, self.voices, self.device = model, voices, device
         self.dit = model.code2wav_dit_model
@@ -334,6 +334,8 @@ class Token2Wav:
         cast_convolutions(model.code2wav_bigvgan_model, self.vocoder_dtype)  # float32 too: this setting holds
         self.use_graphs = use_graphs and device.type == "cuda" and window > 0
         # Graphs replayed one at a time share a memory pool; the vocoder's overlap the next solve: a pool apart.
+        if overlap_vocoder_max_batch is None:
+            overlap_vocoder_max_batch = default_vocoder_overlap(self.dit_dtype, tf32)
         self.overlap_vocoder_max_batch = overlap_vocoder_max_batch if device.type == "cuda" else 0
         self._side: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # (the stage's stream, the vocoder's)
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -619,6 +621,14 @@ class Token2Wav:
 
 
 _MIN_AMPLITUDE = math.exp(-115 / 20.0 * math.log(10))  # -115 dB, the vocoder's floor
+
+
+def default_vocoder_overlap(dit_dtype: torch.dtype, tf32: bool) -> int:
+    """`overlap_vocoder_max_batch` when not set: 2, but 0 with the DiT in strict float32. Beside a solve that
+    short (~30 ms a window in bfloat16 on an H200) a window's vocoder finishes early and one request ends 5-8 ms
+    sooner (runs 21d, 21e); beside a strict float32 solve (~0.12 s alone, longer beside the reply) it starved:
+    a request's first audio came at 0.71 against 0.46 s with the vocoder after the solve (run 43e)."""
+    return 0 if dit_dtype == torch.float32 and not tf32 else 2
 
 
 @contextlib.contextmanager
