@@ -34,6 +34,7 @@ from recording import recorder
 
 from omnistage.families.qwen2_5_omni.models import matmul_sm_carveout
 from omnistage.kernels import pdl
+from omnistage.kernels.exact_gemm import linear_kernel
 
 LAYERS = 22
 # rows = 2 (guided, unguided) x windows x frames; frames = 2 x (window codes + 12 of look-ahead)
@@ -52,35 +53,6 @@ class Tiles:
 
     def __str__(self) -> str:
         return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}s{self.num_stages}"
-
-
-@triton.jit
-def _dense_gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, GELU: tl.constexpr,
-                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # consecutive programs take consecutive row tiles of one column tile: they share its weight in L2
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = pid % tiles_m, pid // tiles_m
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
-    w_ptrs = W + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    row_ok, col_ok = rows < M, cols < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + ks) < K
-        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if GELU:  # tanh form: 0.5 z (1 + tanh(u)), tanh(u) = 2 sigmoid(2u) - 1
-        u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-        acc = acc * tl.sigmoid(2.0 * u)
-    out = Y + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(out, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -255,9 +227,9 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, 
     (m, k), n, t = x.shape, weight.shape[0], tiles
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
-    _dense_gemm_kernel[grid](x, weight, bias, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), GELU=gelu,
-                             PRECISION="tf32", BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                             num_warps=t.num_warps, num_stages=t.num_stages)
+    linear_kernel[grid](x, weight, bias, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=True,
+                        GELU=gelu, PRECISION="tf32", BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                        num_warps=t.num_warps, num_stages=t.num_stages)
     return y
 
 

@@ -51,10 +51,9 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     block_m, block_n, block_k, warps, stages = _tiles(m, n)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _exact_linear_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
-                               weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
-                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                               num_stages=stages)
+    linear_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
+                        y.stride(0), HAS_BIAS=bias is not None, GELU=gelu, PRECISION="tf32x3", BLOCK_M=block_m,
+                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -79,9 +78,12 @@ def _tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
 if triton is not None:
 
     @triton.jit
-    def _exact_linear_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                             GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+    def linear_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                      GELU: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        """Y = X @ W.T (+ B) (then GELU's tanh form), one output tile a program, accumulated in float32 with
+        `tl.dot`'s `input_precision` PRECISION (benchmarks/dit_gemm.py sweeps it with other tiles and
+        precisions)."""
         # consecutive programs take consecutive row tiles of one column tile: they share its weights in L2
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(M, BLOCK_M)
@@ -97,13 +99,13 @@ if triton is not None:
             k_ok = (k0 + ks) < K
             x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if HAS_BIAS:
-            acc += tl.load(B + cols, mask=col_ok, other=0.0)[None, :]
+            acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GELU:  # 0.5 z (1 + tanh(u)) = z sigmoid(2u), u = sqrt(2 / pi) (z + 0.044715 z^3)
             u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
             acc = acc * tl.sigmoid(2.0 * u)
         out = Y + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(out, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
