@@ -11,7 +11,7 @@ float64 product than cuBLAS's strict float32 (largest relative error 2-4e-7 agai
 faster; TF32 (3e-4) is ~4x faster again, for those who accept its rounding.
 
 `exact_linear` is used where torch would run strict float32 on CUDA (float32 input, TF32 matmuls not allowed);
-OMNISTAGE_EXACT_GEMM=0 keeps cuBLAS there (for comparisons). Tiles are fixed by the row count (no autotuning:
+OMNISTAGE_EXACT_GEMM=0 keeps cuBLAS there (for comparisons). Tiles are fixed by the shape (no autotuning:
 kernels are captured into CUDA graphs), and a row's result does not depend on the other rows.
 """
 
