@@ -50,7 +50,7 @@ def window_codes(decoder: models.Token2Wav, codes: int) -> list[int]:
 
 def matmul_rates(config, rows: int) -> dict[str, float]:
     """TFLOP/s of the DiT's four matmuls together, per precision, at `rows` rows (CUDA graphs of 22 layers)."""
-    import statistics
+    from graph_timing import time_graph
 
     from omnistage.kernels.exact_gemm import exact_linear
 
@@ -61,44 +61,30 @@ def matmul_rates(config, rows: int) -> dict[str, float]:
     rates = {}
     for name in ("float32", "exact_3xtf32", "tf32", "bfloat16"):
         dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
-        weights = [[(torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5,
-                     torch.zeros(n, device="cuda", dtype=dtype), gelu) for n, k, gelu in shapes] for _ in range(layers)]
         inputs = {k: torch.randn(rows, k, device="cuda", dtype=dtype) for _, k, _ in shapes}
 
-        def layer_matmuls(name=name, weights=weights, inputs=inputs) -> None:
-            for layer in weights:
-                for w, b, gelu in layer:
-                    x = inputs[w.shape[1]]
-                    if name == "exact_3xtf32":
-                        exact_linear(x, w, b, gelu)
-                    elif gelu:
-                        torch._addmm_activation(b, x, w.t(), use_gelu=True)
-                    else:
-                        torch.nn.functional.linear(x, w, b)
+        def layer_matmuls(weights: list[tuple], name: str = name, inputs: dict = inputs) -> None:
+            for w, b, gelu in weights:
+                x = inputs[w.shape[1]]
+                if name == "exact_3xtf32":
+                    exact_linear(x, w, b, gelu)
+                elif gelu:
+                    torch._addmm_activation(b, x, w.t(), use_gelu=True)
+                else:
+                    torch.nn.functional.linear(x, w, b)
 
-        torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+        layer_fns = []
+        for _ in range(layers):
+            weights = [(torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5,
+                        torch.zeros(n, device="cuda", dtype=dtype), gelu) for n, k, gelu in shapes]
+            layer_fns.append(lambda weights=weights: layer_matmuls(weights))
+        torch.backends.cuda.matmul.allow_tf32 = name == "tf32"  # for the warm-up and the capture
         try:
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                layer_matmuls()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                layer_matmuls()
+            seconds = time_graph(layer_fns, replays=5) * layers / 1e6
         finally:
             torch.backends.cuda.matmul.allow_tf32 = False
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        rates[name] = flops / statistics.median(times) / 1e12
-        del graph, weights, inputs
+        rates[name] = flops / seconds / 1e12
+        del layer_fns, inputs
     return rates
 
 
