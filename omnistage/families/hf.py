@@ -114,7 +114,7 @@ def load_causal_lm(path: Path, dtype_name: str, device: torch.device) -> tuple[n
     with torch.device(device), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPL)
     load_weights(model, path)
-    return model.eval(), config
+    return model.eval().requires_grad_(False), config
 
 
 def load_tokenizer(path: Path) -> Any:

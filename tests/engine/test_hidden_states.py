@@ -38,7 +38,7 @@ def test_hidden_states_match_hf(tiny_qwen3: str) -> None:
     with torch.no_grad():
         ref = model.model(torch.tensor([full[:-1]]), output_hidden_states=True).hidden_states
     for name, layer in {"embed": 0, "mid": 1, "last": 2}.items():
-        got = torch.cat(rows[name])
+        got = torch.cat(rows[name]).cpu()  # the engine's rows are on its device; HF ran on the CPU
         assert got.shape[0] == len(full) - 1  # every computed position once; the last sample is never fed back
         torch.testing.assert_close(got, ref[layer][0], rtol=1e-4, atol=1e-4)
     assert engine.num_overlapped_steps > 0  # decode steps with hidden states ran in flight

@@ -341,7 +341,7 @@ class AREngine:
             return self.sampler.draw(logits, cols, self.history, slots)
 
         static = self._static_draw
-        if static is not None and steps == self.runner.burst_steps and self.runner.has_burst_graph(len(seqs)):
+        if static is not None and self.runner.burst_graph_fits(seqs, steps):
             columns.append(self._batch_columns(seqs, static.vocab, self.device, pending))
             cols, slots = columns[0]
             static.load(cols, slots if cols.needs_history else None, len(seqs))

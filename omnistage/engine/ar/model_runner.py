@@ -369,8 +369,13 @@ class ModelRunner:
 
     # ---- decode bursts ---------------------------------------------------------------------
 
-    def has_burst_graph(self, num_seqs: int) -> bool:
-        return bool(self.burst_graphs) and num_seqs <= max(self.burst_graphs)
+    def burst_graph_fits(self, seqs: list[Sequence], steps: int) -> bool:
+        """A captured burst replays these `steps` for `seqs`: a graph for their count, and any rows they add to
+        their input embeddings have a place in it (only models declaring `graph_embed_adds` capture one)."""
+        return (
+            steps == self.burst_steps and bool(self.burst_graphs) and len(seqs) <= max(self.burst_graphs)
+            and (self._dev_adds is not None or all(s.embed_adds is None for s in seqs))
+        )
 
     @torch.inference_mode()
     def launch_burst(self, seqs: list[Sequence], steps: int, draw: Callable[[torch.Tensor], torch.Tensor],
@@ -383,7 +388,7 @@ class ModelRunner:
         p = self._pack(batch)
         where = {id(s): i for i, s in enumerate(previous.seqs)} if previous else {}
         pending = [(i, where[id(s)]) for i, s in enumerate(seqs) if s.num_computed >= s.num_tokens]
-        if steps == self.burst_steps and self.has_burst_graph(len(seqs)):
+        if self.burst_graph_fits(seqs, steps):
             all_tokens = self._replay_burst(batch, p, previous, pending)
         else:
             ids = self._tensor(p.ids)
@@ -413,13 +418,15 @@ class ModelRunner:
                  generator: torch.Generator | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
         """`run` once eagerly (Triton compiles, the allocator settles), then captured on `stream` into the
         runner's one memory pool (its graphs replay one at a time); returns the graph and what the captured
-        call returned (its static outputs). `generator`'s state advances with every replay."""
-        run()
-        graph = torch.cuda.CUDAGraph()
-        if generator is not None:
-            graph.register_generator_state(generator)
-        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream, capture_error_mode="thread_local"):
-            out = run()
+        call returned (its static outputs). `generator`'s state advances with every replay. Runs without
+        autograd: a model whose weights still require grad would otherwise record (and refuse in-place ops)."""
+        with torch.no_grad():
+            run()
+            graph = torch.cuda.CUDAGraph()
+            if generator is not None:
+                graph.register_generator_state(generator)
+            with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream, capture_error_mode="thread_local"):
+                out = run()
         self._graph_pool = graph.pool()
         return graph, out
 

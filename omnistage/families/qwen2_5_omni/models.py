@@ -93,7 +93,7 @@ def load_part(cls: Any, path: Path, config: Any, dtype: torch.dtype, device: tor
                                     **({"device_map": device} if direct else {}))
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model.to(device).eval()
+    return model.to(device).eval().requires_grad_(False)
 
 
 def checkpoint_rows(path: Path, key: str, rows: list[int]) -> torch.Tensor:
@@ -668,7 +668,7 @@ def load_token2wav(path: Path, config: Any, device: torch.device, dit_dtype: tor
         model = Qwen2_5OmniToken2WavModel._from_config(config, dtype=torch.float32)
     hf.load_weights(model, path, {"token2wav.": ""})
     model.code2wav_dit_model.to(dit_dtype)
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def load_voices(path: Path) -> dict[str, dict[str, torch.Tensor]]:
