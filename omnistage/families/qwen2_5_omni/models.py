@@ -43,6 +43,7 @@ from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 from omnistage.families.qwen2_5_omni.dit import DiTSolver
 from omnistage.families.qwen2_5_omni.vocoder import DTYPES as VOCODER_DTYPES
 from omnistage.families.qwen2_5_omni.vocoder import cast_convolutions, fuse_activations
+from omnistage.kernels import exact_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -300,10 +301,10 @@ class Token2Wav:
         self.dit = model.code2wav_dit_model
         self.dit_dtype = next(self.dit.parameters()).dtype  # the vocoder runs in vocoder_dtype whatever this is
         if device.type == "cuda" and self.dit_dtype == torch.float32 and not tf32:
+            how = "exact 3xTF32 products" if exact_gemm.ENABLED else "strict float32 on CUDA cores"
             logger.info("token2wav: the DiT runs in float32 (the default, as transformers runs it), its matmuls as "
-                        "exact 3xTF32 products: several times slower than bfloat16 under load, with playback "
-                        "stalls. For serving set stages.token2wav.dtype: bfloat16 (or options.tf32: true); see the "
-                        "README")
+                        "%s: several times slower than bfloat16 under load, with playback stalls. For serving set "
+                        "stages.token2wav.dtype: bfloat16 (or options.tf32: true); see the README", how)
         # The DiT attends within blocks of `block` codes, one block further back per look-backward layer
         # and one further ahead per look-ahead layer: the default context is those blocks.
         dit = self.dit.config
