@@ -24,7 +24,8 @@ def fake_served() -> Iterator[Served]:
 def real_engine(tiny_qwen2: str) -> Iterator[Any]:
     from omnistage.entrypoints.async_omni import AsyncOmni
 
-    engine = AsyncOmni.from_model(tiny_qwen2, served_model_name="tiny-qwen2")
+    # float32 as the HF reference runs (on a GPU the default would be bfloat16, whose greedy tokens can part)
+    engine = AsyncOmni.from_model(tiny_qwen2, {"stages": {"*": {"dtype": "float32"}}}, served_model_name="tiny-qwen2")
     yield engine
     engine.shutdown()
 

@@ -22,7 +22,7 @@ SPEECH = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 def client(tiny_qwen2_5_omni: str):
     from omnistage.entrypoints.async_omni import AsyncOmni
 
-    engine = AsyncOmni.from_model(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512},
+    engine = AsyncOmni.from_model(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512, "dtype": "float32"},
                                                                  "talker": {"default_sampling_params": {
                                                                      "max_tokens": 12, "temperature": 0}}}},
                                   served_model_name="omni")
