@@ -150,10 +150,12 @@ def test_a_stage_refusing_a_hand_over_fails_those_requests_only(two_stage_path: 
 def test_start_up_objects_leave_the_collectors_scans(two_stage_path: str) -> None:
     """Once every stage is ready, what start-up made (models, tokenizers, engines) is frozen out of the cyclic
     collector's scans: a full collection while serving then holds every stage's thread for milliseconds, not
-    the quarter second measured with them in (benchmarks/results/omni_qwen2_5.md, run 11c)."""
+    the quarter second measured with them in (benchmarks/results/omni_qwen2_5.md, run 11c). Inline, so the engine
+    is an object of this process (a GPU machine's default backend is a process per stage)."""
     gc.unfreeze()
     try:
-        with Omni(two_stage_path, {"stages": {"*": {"max_model_len": 128, "block_size": 4}}}) as omni:
+        deploy = {"worker_backend": "inline", "stages": {"*": {"max_model_len": 128, "block_size": 4}}}
+        with Omni(two_stage_path, deploy) as omni:
             engine = omni.orchestrator.workers["draft"][0].loop.engine
             assert gc.get_freeze_count() > 0
             assert not any(obj is engine for obj in gc.get_objects())  # no longer among the scanned
