@@ -9,14 +9,16 @@ of a stage use the connector of the edge into it, outputs the connector of the e
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omnistage.config.deploy import ConnectorConfig, DeployConfig, did_you_mean, load_deploy_config
 from omnistage.devices import on_device, resolve_device
-from omnistage.errors import ConfigError
+from omnistage.errors import ConfigError, StageError
 from omnistage.families.base import Pipeline
 from omnistage.families.registry import PLUGINS_ENV, detect_family
 from omnistage.runtime import control
@@ -54,15 +56,19 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
 
     deploy = pipeline.deploy.model_dump(mode="json", exclude_unset=True)
     key = curve_key()  # secures every TCP socket of this deployment (connector.py)
+    group, shares, release = None, {}, None
     if backend == "ray":
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
         bind_host = ray.util.get_node_ip_address()
-        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        bundles, shares = ray_gpu_shares(pipeline, has_gpus=ray.cluster_resources().get("GPU", 0) > 0)
+        if bundles:
+            group, release = _reserve_gpus(ray, bundles, shares, pipeline.deploy.startup_timeout_s)
     else:
-        bind_host, has_gpus = None, False
+        bind_host = None
 
     def make_worker(stage: str, replica: int, on_outputs: OutputCallback, on_exit: ExitCallback):
         cfg = pipeline.stage_config(stage)
@@ -75,21 +81,74 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
             parent_pid=os.getpid() if backend == "process" else 0,
             sys_path=[p for p in sys.path if p], env=_plugin_env(),
         )
-        ids = _device_ids(cfg.devices)
         if backend == "process":
+            ids = _device_ids(cfg.devices)
             if ids:  # the child sees only its devices, renumbered from 0
                 spec.env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
                 spec.devices = ",".join(str(i) for i in range(len(ids)))
             else:
                 spec.devices = cfg.devices
             launch = Subprocess
+        elif (stage, replica) in shares:  # Ray makes its GPU (or its share of one) the actor's only one
+            bundle, fraction = shares[(stage, replica)]
+            spec.devices = "0"
+            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
+            launch = lambda s: RayActor(s, num_gpus=fraction, num_cpus=1, scheduling=strategy)
         else:
-            gpus = len(ids) if ids else (0 if cfg.devices == "cpu" or not has_gpus else 1)
-            spec.devices = ",".join(str(i) for i in range(gpus)) if gpus else "cpu"
-            launch = lambda s: RayActor(s, num_gpus=gpus, num_cpus=1)
+            spec.devices = "cpu"
+            launch = lambda s: RayActor(s, num_gpus=0, num_cpus=1)
         return ProcessStageWorker(stage, replica, spec, launch, on_outputs, on_exit, bind_host)
 
-    return Orchestrator(pipeline, make_worker)
+    return Orchestrator(pipeline, make_worker, on_shutdown=release)
+
+
+GpuShares = dict[tuple[str, int], tuple[int, float]]
+
+
+def ray_gpu_shares(pipeline: Pipeline, has_gpus: bool) -> tuple[list[tuple[str, int]], GpuShares]:
+    """Where each stage replica runs on a Ray cluster. A deploy config's device ids describe one copy of the
+    layout, not a node's GPUs: replica r of every stage whose devices start with the same id shares one GPU in
+    equal fractions (the one-GPU configs put three stages on "0"), and replica r+1 gets GPUs of its own, so
+    replicas spread over the cluster. A stage runs on the first GPU it lists (engines use one device).
+    Returns the GPUs to reserve, as (device id, replica), and per (stage, replica) on a GPU: its index in that
+    list and its fraction of the GPU (Ray counts fractions in steps of 1e-4). Stages on the CPU are absent;
+    devices unset means GPU "0" where the cluster has GPUs, else the CPU."""
+    users: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for spec in pipeline.stages:
+        cfg = pipeline.stage_config(spec.name)
+        ids = _device_ids(cfg.devices) if cfg.devices is not None else (["0"] if has_gpus else [])
+        for replica in range(cfg.replicas if ids else 0):
+            users.setdefault((ids[0], replica), []).append((spec.name, replica))
+    bundles = list(users)
+    shares = {user: (index, math.floor(10_000 / len(users[gpu])) / 10_000)
+              for index, gpu in enumerate(bundles) for user in users[gpu]}
+    return bundles, shares
+
+
+def _reserve_gpus(ray: Any, bundles: list[tuple[str, int]], shares: GpuShares,
+                  timeout_s: float) -> tuple[Any, Callable[[], None]]:
+    """One placement group with a bundle per GPU of the layout (packed onto as few nodes as hold it), so stages
+    meant to share a GPU land on the same one; returns it and what gives it back. Fails at once, naming the
+    layout, when the cluster has fewer GPUs than the layout, and after `timeout_s` when Ray cannot place it."""
+    from ray.exceptions import GetTimeoutError
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    layout = "; ".join(f"GPU {i} (device {d!r}, replica {r}): " + ", ".join(
+        stage for (stage, _), (b, _) in shares.items() if b == i) for i, (d, r) in enumerate(bundles))
+    have = ray.cluster_resources().get("GPU", 0)
+    if len(bundles) > have:
+        raise ConfigError(f"deploy config: on Ray, its stage replicas need {len(bundles)} GPUs ({layout}) but the "
+                          f"cluster has {have:g}; put stages that may share a GPU on the same device id, or use "
+                          "fewer replicas")
+    actors = [sum(b == i for b, _ in shares.values()) for i in range(len(bundles))]
+    group = placement_group([{"GPU": 1, "CPU": n} for n in actors], strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(group)
+        raise StageError(f"Ray could not reserve {len(bundles)} GPUs with {sum(actors)} CPUs beside them in "
+                         f"{timeout_s:g} s ({layout})") from None
+    return group, lambda: remove_placement_group(group)
 
 
 def connector_choice(pipeline: Pipeline) -> dict[str, dict[str, ConnectorConfig]]:

@@ -42,8 +42,11 @@ class _RequestState:
 
 
 class Orchestrator:
-    def __init__(self, pipeline: Pipeline, make_worker: WorkerFactory):
+    def __init__(self, pipeline: Pipeline, make_worker: WorkerFactory,
+                 on_shutdown: Callable[[], None] | None = None):
+        """`on_shutdown` runs once every worker has stopped (e.g. to give back a Ray placement group)."""
         self.pipeline = pipeline
+        self.on_shutdown = on_shutdown
         self.async_chunk = pipeline.deploy.async_chunk
         self.lock = threading.Lock()
         self.requests: dict[str, _RequestState] = {}
@@ -156,6 +159,9 @@ class Orchestrator:
             t.start()
         for t in threads:
             t.join()
+        if self.on_shutdown is not None:
+            self.on_shutdown, release = None, self.on_shutdown
+            release()
 
     def _on_exit(self, stage: str, replica: int, why: str) -> None:
         """A replica died (its requests have failed already): restart it in the background."""

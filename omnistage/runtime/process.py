@@ -80,12 +80,16 @@ class Subprocess:
 class RayActor:
     """The same worker loop inside a Ray actor; Ray places it and sets its visible GPUs."""
 
-    def __init__(self, spec: control.WorkerSpec, num_gpus: float, num_cpus: float):
+    def __init__(self, spec: control.WorkerSpec, num_gpus: float, num_cpus: float, scheduling: Any = None):
+        """`scheduling`: a Ray scheduling strategy (a placement group's bundle), or None for Ray's choice."""
         import ray
 
         self._ray = ray
         actor_cls = ray.remote(_StageActor)
-        self.actor = actor_cls.options(num_gpus=num_gpus, num_cpus=num_cpus).remote()
+        options = {"num_gpus": num_gpus, "num_cpus": num_cpus}
+        if scheduling is not None:
+            options["scheduling_strategy"] = scheduling
+        self.actor = actor_cls.options(**options).remote()
         self.ref = self.actor.run.remote(control.encode_spec(spec).decode())
 
     def exit_reason(self) -> str | None:
