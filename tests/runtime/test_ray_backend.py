@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from omnistage import Omni, SamplingParams
 from omnistage.errors import ConfigError
@@ -36,6 +37,9 @@ def test_two_stages_on_ray_equal_inline(two_stage_path: str) -> None:
         with Omni(two_stage_path, base | {"worker_backend": "ray"}) as omni:
             outs = omni.generate(prompts, params)
             stats = omni.orchestrator.replica_stats()
+            groups = [g["bundles"] for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert groups == ([{0: {"CPU": 2.0, "GPU": 1.0}}] if torch.cuda.is_available() else [])  # one GPU, shared
+        assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())  # given back
         assert [o.error for o in outs] == [None] * 3
         assert [o.token_ids for o in outs] == expected
         assert all(s[0]["in_transfers"] > 0 and s[0]["out_transfers"] > 0 for s in stats.values())
