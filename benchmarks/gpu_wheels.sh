@@ -4,11 +4,17 @@
 # .whl) at the versions the local environment has: python3 -m pip install --no-index --no-deps --target
 # /tmp/site DIR/*.whl there, then PYTHONPATH=/tmp/site:$PWD. For Python 3.12 on x86-64 Linux.
 #     benchmarks/gpu_wheels.sh [DIR] [PYTHON]     # PYTHON: the environment whose versions to fetch
+# WITH_RAY=1 adds Ray and what it needs beyond a typical CUDA image (for tests/runtime/test_ray_backend.py; Ray's
+# wheel alone is ~80 MB).
 set -euo pipefail
 dir=${1:-.whl}
 python=${2:-python3}
 names=(transformers regex fastapi starlette opentelemetry-api uvicorn pydantic pydantic_core annotated-types
-       typing-inspection msgspec pyzmq openai httpx2 jiter sniffio soundfile cffi pycparser soxr pytest-asyncio)
+       typing-inspection msgspec pyzmq openai httpx2 httpcore2 truststore jiter sniffio soundfile cffi pycparser
+       soxr av pytest-asyncio)
+if [[ ${WITH_RAY:-0} == 1 ]]; then
+  names+=(ray jsonschema jsonschema-specifications referencing rpds-py)
+fi
 mkdir -p "$dir"
 for name in "${names[@]}"; do
   version=$("$python" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
