@@ -295,20 +295,29 @@ def test_abort_reaches_all_three_stages(tiny_qwen2_5_omni: str) -> None:
         engine.shutdown()
 
 
-def test_stages_in_their_own_processes_give_the_same_speech(tiny_qwen2_5_omni: str) -> None:
-    """The three stages as worker processes (payloads over shared memory), streamed between stages,
+@pytest.mark.parametrize("backend", ["process", "ray"])
+def test_stages_out_of_process_give_the_same_speech(tiny_qwen2_5_omni: str, backend: str) -> None:
+    """The three stages as worker processes (payloads over shared memory) or as Ray actors on a local cluster
+    (over TCP; on a GPU machine the three share one reserved GPU, as 1gpu.yaml's do), streamed between stages,
     produce what the inline stages produce."""
+    ray = pytest.importorskip("ray", reason="Ray is an optional extra") if backend == "ray" else None
     params = {"thinker": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
               "talker": SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)}
     outs = []
-    for backend, async_chunk in (("inline", False), ("process", True)):
-        deploy = {"worker_backend": backend, "async_chunk": async_chunk,
-                  "stages": {"*": {"max_model_len": 512, **FP32}}}
-        with Omni(tiny_qwen2_5_omni, deploy) as omni:
-            outs.append(omni.generate([MESSAGES], params, ("text", "audio"), voice="Chelsie")[0])
-    inline, process = outs
-    assert process.error is None and process.token_ids == inline.token_ids
-    np.testing.assert_allclose(process.audio, inline.audio, rtol=1e-5, atol=1e-6)
+    if ray is not None:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        for worker_backend, async_chunk in (("inline", False), (backend, True)):
+            deploy = {"worker_backend": worker_backend, "async_chunk": async_chunk,
+                      "stages": {"*": {"max_model_len": 512, **FP32}}}
+            with Omni(tiny_qwen2_5_omni, deploy) as omni:
+                outs.append(omni.generate([MESSAGES], params, ("text", "audio"), voice="Chelsie")[0])
+    finally:
+        if ray is not None:
+            ray.shutdown()
+    inline, apart = outs
+    assert apart.error is None and apart.token_ids == inline.token_ids
+    np.testing.assert_allclose(apart.audio, inline.audio, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
