@@ -137,7 +137,8 @@ def _reserve_gpus(ray: Any, bundles: list[tuple[str, int]], shares: GpuShares,
         stage for (stage, _), (b, _) in shares.items() if b == i) for i, (d, r) in enumerate(bundles))
     have = ray.cluster_resources().get("GPU", 0)
     if len(bundles) > have:
-        raise ConfigError(f"deploy config: on Ray, its stage replicas need {len(bundles)} GPUs ({layout}) but the "
+        raise ConfigError(f"deploy config: on Ray, its stage replicas need {len(bundles)} GPU"
+                          f"{'s' if len(bundles) > 1 else ''} ({layout}) but the "
                           f"cluster has {have:g}; put stages that may share a GPU on the same device id, or use "
                           "fewer replicas")
     actors = [sum(b == i for b, _ in shares.values()) for i in range(len(bundles))]
