@@ -64,9 +64,10 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
         bind_host = ray.util.get_node_ip_address()
-        bundles, shares = ray_gpu_shares(pipeline, has_gpus=ray.cluster_resources().get("GPU", 0) > 0)
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        bundles, shares = ray_gpu_shares(pipeline, has_gpus=cluster_gpus > 0)
         if bundles:
-            group, release = _reserve_gpus(ray, bundles, shares, pipeline.deploy.startup_timeout_s)
+            group, release = _reserve_gpus(ray, bundles, shares, cluster_gpus, pipeline.deploy.startup_timeout_s)
     else:
         bind_host = None
 
@@ -125,7 +126,7 @@ def ray_gpu_shares(pipeline: Pipeline, has_gpus: bool) -> tuple[list[tuple[str, 
     return bundles, shares
 
 
-def _reserve_gpus(ray: Any, bundles: list[tuple[str, int]], shares: GpuShares,
+def _reserve_gpus(ray: Any, bundles: list[tuple[str, int]], shares: GpuShares, cluster_gpus: float,
                   timeout_s: float) -> tuple[Any, Callable[[], None]]:
     """One placement group with a bundle per GPU of the layout (packed onto as few nodes as hold it), so stages
     meant to share a GPU land on the same one; returns it and what gives it back. Fails at once, naming the
@@ -135,12 +136,10 @@ def _reserve_gpus(ray: Any, bundles: list[tuple[str, int]], shares: GpuShares,
 
     layout = "; ".join(f"GPU {i} (device {d!r}, replica {r}): " + ", ".join(
         stage for (stage, _), (b, _) in shares.items() if b == i) for i, (d, r) in enumerate(bundles))
-    have = ray.cluster_resources().get("GPU", 0)
-    if len(bundles) > have:
+    if len(bundles) > cluster_gpus:
         raise ConfigError(f"deploy config: on Ray, its stage replicas need {len(bundles)} GPU"
-                          f"{'s' if len(bundles) > 1 else ''} ({layout}) but the "
-                          f"cluster has {have:g}; put stages that may share a GPU on the same device id, or use "
-                          "fewer replicas")
+                          f"{'s' if len(bundles) > 1 else ''} ({layout}) but the cluster has {cluster_gpus:g}; "
+                          "put stages that may share a GPU on the same device id, or use fewer replicas")
     actors = [sum(b == i for b, _ in shares.values()) for i in range(len(bundles))]
     group = placement_group([{"GPU": 1, "CPU": n} for n in actors], strategy="PACK")
     try:
