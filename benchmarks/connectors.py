@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from omnistage.engine.types import StageOutput
 from omnistage.runtime.connector import InProcessConnector, LinkSpec, ShmConnector, TcpConnector, open_link
+from omnistage.types import StageOutput
 
 SIZES = {"1 KB": 1 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
 ROUNDS = {"1 KB": 2000, "1 MB": 200, "64 MB": 8}  # round trips per repetition

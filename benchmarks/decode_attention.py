@@ -20,7 +20,7 @@ import triton
 from graph_timing import time_graph
 from recording import recorder
 
-from omnistage.engine.ar.triton_attention import _sm_count, decode_splits, paged_attention_triton
+from omnistage.kernels.paged_attention import _sm_count, decode_splits, paged_attention_triton
 
 PAGE = 16
 

@@ -22,9 +22,9 @@ import torch
 from recording import recorder
 from torch.utils.flop_counter import FlopCounterMode
 
-from omnistage.engine.types import StageInput
 from omnistage.families.qwen2_5_omni import models
 from omnistage.families.qwen2_5_omni.dit import DiTSolver
+from omnistage.types import StageInput
 
 
 def solve_flops(solver: DiTSolver, config, codes: int) -> int:

@@ -24,10 +24,10 @@ import traceback
 import torch
 
 from omnistage.engine.ar.engine import AREngine, AREngineConfig
-from omnistage.engine.types import StageInput
 from omnistage.families.causal_lm import causal_lm_model
 from omnistage.families.hf import ATTN_IMPL
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import StageInput
 
 PROMPT_LEN, OUTPUT_LEN = 128, 256
 REPEATS = 3

@@ -58,7 +58,7 @@ from omnistage import AsyncOmni, SamplingParams
 from omnistage.bench.serve import stream_events
 from omnistage.entrypoints.openai.server import BackgroundServer
 from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
-from omnistage.runtime.messages import OmniRequest
+from omnistage.types import OmniRequest
 
 SAMPLE_RATE = 24000
 DEPLOY = Path(__file__).resolve().parent.parent / "configs" / "qwen2_5_omni" / "1gpu.yaml"

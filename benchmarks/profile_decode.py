@@ -16,8 +16,8 @@ import time
 import torch
 
 from benchmarks.llm_throughput import build_engine, prompts, random_qwen2
-from omnistage.engine.types import StageInput
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import StageInput
 
 
 def timed_method(obj, name: str, bucket: list[float]) -> None:

@@ -35,9 +35,9 @@ from talker_steps import talker_input
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnistage.config.deploy import load_deploy_config
-from omnistage.engine.types import StageInput
 from omnistage.families.registry import detect_family
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import StageInput
 
 
 def stream(device: torch.device, high: bool):

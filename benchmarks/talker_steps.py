@@ -28,9 +28,9 @@ from omni_qwen2_5 import apply_settings, checkpoint_path, only_graph_buckets, pa
 from recording import recorder
 
 from omnistage.config.deploy import load_deploy_config
-from omnistage.engine.types import StageInput
 from omnistage.families.registry import detect_family
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import StageInput
 
 
 def talker_input(pipeline, rid: str, prompt_len: int, reply_len: int, params: SamplingParams) -> StageInput:

@@ -36,7 +36,7 @@ from omni_qwen2_5 import (
 from recording import recorder
 
 from omnistage import AsyncOmni
-from omnistage.runtime.messages import OmniRequest
+from omnistage.types import OmniRequest
 
 THINKER_TOKENS, CODES = 128, 600
 

@@ -24,8 +24,8 @@ import time
 import torch
 from recording import recorder
 
-from omnistage.engine.types import StageInput
 from omnistage.families.qwen2_5_omni import models
+from omnistage.types import StageInput
 
 CASES = [(24, 1), (48, 1), (96, 1), (48, 8), (48, 32)]  # (window codes, requests per step)
 

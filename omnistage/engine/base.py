@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from omnistage.engine.types import StageInput, StageOutput
+from omnistage.types import StageInput, StageOutput
 
 
 class Engine(Protocol):

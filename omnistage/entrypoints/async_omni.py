@@ -12,8 +12,8 @@ from typing import Any
 
 from omnistage.config.deploy import DeployConfig
 from omnistage.runtime.launch import build_pipeline, start_orchestrator
-from omnistage.runtime.messages import OmniOutput, OmniRequest
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import OmniOutput, OmniRequest
 
 
 class AsyncOmni:

@@ -10,13 +10,13 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 import time
 from typing import Any
 
 import yaml
 
+from omnistage import envs
 from omnistage.errors import ConfigError, OmniError
 from omnistage.testing.factory import CAUSAL_LM_ARCHS
 
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
-        "--api-key", default=os.environ.get("OMNISTAGE_API_KEY"), help="require this Bearer key on /v1/*"
+        "--api-key", default=envs.API_KEY.get(), help="require this Bearer key on /v1/*"
     )
     serve.add_argument("--served-model-name", help="model name clients send (default: from the model path)")
     serve.add_argument("--max-model-len", type=int)
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals (default inf)")
     bserve.add_argument("--input-len", type=int, default=128, help="prompt length in words (~tokens)")
     bserve.add_argument("--output-len", type=int, default=128)
-    bserve.add_argument("--api-key", default=os.environ.get("OMNISTAGE_API_KEY"))
+    bserve.add_argument("--api-key", default=envs.API_KEY.get())
     bserve.add_argument("--seed", type=int, default=0)
     bserve.set_defaults(func=_bench_serve)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from omnistage.config.deploy import DeployConfig
 from omnistage.runtime.launch import build_pipeline, start_orchestrator
-from omnistage.runtime.messages import OmniOutput, OmniRequest
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import OmniOutput, OmniRequest
 
 Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
 Params = SamplingParams | dict[str, SamplingParams]  # for every stage, or by stage name

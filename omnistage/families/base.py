@@ -11,8 +11,7 @@ from typing import Any, ClassVar, Protocol
 
 from omnistage.config.deploy import DeployConfig, StageConfig
 from omnistage.engine.base import Engine
-from omnistage.engine.types import StageInput, StageOutput
-from omnistage.runtime.messages import OmniOutput, OmniRequest
+from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
 # Turns stage i's output (a delta, or the merged whole when not streaming) into stage j's input.
 Handoff = Callable[[OmniRequest, StageOutput], "StageInput | None"]

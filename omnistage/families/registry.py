@@ -7,9 +7,9 @@ Families outside omnistage register with `register_family`, or, so that stage wo
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 
+from omnistage import envs
 from omnistage.errors import ConfigError
 from omnistage.families.base import CheckpointInfo, Family
 
@@ -23,12 +23,12 @@ def _families() -> list[Family]:
 
 
 _extra_families: list[Family] = []
-PLUGINS_ENV = "OMNISTAGE_FAMILY_PLUGINS"
+PLUGINS_ENV = envs.FAMILY_PLUGINS.name
 
 
 def _plugin_families() -> list[Family]:
     families = []
-    for entry in filter(None, (e.strip() for e in os.environ.get(PLUGINS_ENV, "").split(","))):
+    for entry in filter(None, (e.strip() for e in envs.FAMILY_PLUGINS.get().split(","))):
         module, _, name = entry.partition(":")
         try:
             families.append(getattr(importlib.import_module(module), name)())

@@ -27,8 +27,6 @@ Tests pin it to torch's draw on float32 logits.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
@@ -38,7 +36,7 @@ except ImportError:  # Triton is needed only on CUDA
     triton = None
 
 MAX_VOCAB = 16384  # a row in one program's registers; larger vocabularies (a text LM's head) keep torch's draw
-ENABLED = os.environ.get("OMNISTAGE_FUSED_DRAW", "1") != "0"  # 0: torch's draw everywhere (for comparisons)
+ENABLED = True  # False: torch's draw everywhere (benchmarks compare with it)
 CANDIDATES = 64  # top-k survivors up to this many: top-p's threshold among them, not by bisection
 
 

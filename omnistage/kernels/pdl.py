@@ -14,15 +14,16 @@ read before the wait (small GEMMs' whole weight tiles, decode attention's older 
 kernel's outputs. A kernel that follows one launched without PDL (torch's, cuBLAS's) finds its wait already
 met. Reading a large GEMM's weights before the wait (into L2, or its first tile of a K loop into registers)
 was slower there; reading a small one's whole tile was faster (run 19).
-Off on CPU, before Hopper, and with OMNISTAGE_PDL=0.
+Off on CPU, before Hopper, and after `set_enabled(False)` (benchmarks compare with it off).
 """
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
+
+from omnistage import envs
 
 try:
     import triton
@@ -43,7 +44,7 @@ def set_enabled(on: bool) -> None:
 
 @cache
 def _supported(device_index: int) -> bool:
-    if os.environ.get("OMNISTAGE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if envs.TRITON_INTERPRET.get():
         return False
     if torch.version.hip is not None:  # ROCm's "cuda" devices: no griddepcontrol
         return False

@@ -26,7 +26,6 @@ kernel (32.1 vs 30.5 µs, run 19).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -49,9 +48,9 @@ except ImportError:  # Triton is needed only on CUDA
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger decode batches go to cuBLAS
 # Small weights are read whole, one tile per program, before the PDL wait (`_preload_tiling`), up to this many
-# bytes a program (8 warps hold them in registers). OMNISTAGE_SKINNY_PRELOAD=0: the K loop after the wait, as
+# bytes a program (8 warps hold them in registers). PRELOAD = False: the K loop after the wait, as
 # for larger weights (for comparisons).
-PRELOAD = os.environ.get("OMNISTAGE_SKINNY_PRELOAD", "1") != "0"
+PRELOAD = True
 PRELOAD_MAX_BYTES = 65536
 
 

@@ -16,11 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omnistage import envs
 from omnistage.config.deploy import ConnectorConfig, DeployConfig, did_you_mean, load_deploy_config
 from omnistage.devices import on_device, resolve_device
 from omnistage.errors import ConfigError, StageError
 from omnistage.families.base import Pipeline
-from omnistage.families.registry import PLUGINS_ENV, detect_family
+from omnistage.families.registry import detect_family
 from omnistage.runtime import control
 from omnistage.runtime.connector import curve_key
 from omnistage.runtime.orchestrator import Orchestrator
@@ -62,7 +63,7 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
+            ray.init(address=envs.RAY_ADDRESS.get(), log_to_driver=False)
         bind_host = ray.util.get_node_ip_address()
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
         bundles, shares = ray_gpu_shares(pipeline, has_gpus=cluster_gpus > 0)
@@ -191,5 +192,5 @@ def _device_ids(devices: str | None) -> list[str]:
 
 
 def _plugin_env() -> dict[str, str]:
-    value = os.environ.get(PLUGINS_ENV)
-    return {PLUGINS_ENV: value} if value else {}
+    value = envs.FAMILY_PLUGINS.get()
+    return {envs.FAMILY_PLUGINS.name: value} if value else {}

@@ -18,11 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import OmniError, RequestError, StageError
 from omnistage.families.base import Pipeline
-from omnistage.runtime.messages import OmniOutput, OmniRequest, StageMetrics
 from omnistage.runtime.worker import ExitCallback, OutputCallback, StageWorker
+from omnistage.types import OmniOutput, OmniRequest, StageInput, StageMetrics, StageOutput
 
 logger = logging.getLogger(__name__)
 Sink = Callable[[OmniOutput], None]
@@ -241,8 +240,8 @@ class Orchestrator:
             for rid in {_request_of(c) for c in commands}:
                 state = self.requests.get(rid)
                 if state is not None:
-                    self._finish(state, OmniOutput(rid, finish_reason="error", error=f"stage {worker.stage!r} "
-                                                   f"could not take the request: {exc}", error_status=status),
+                    self._finish(state, OmniOutput.failure(
+                        rid, f"stage {worker.stage!r} could not take the request: {exc}", status),
                                  abort=True)
 
     def _route(self, state: _RequestState, stage: str, out: StageOutput) -> None:
@@ -255,10 +254,7 @@ class Orchestrator:
         if out.finished:
             metrics.finish_time = now
         if out.error is not None:
-            self._finish(state, OmniOutput(
-                request_id=out.request_id, finished=True, finish_reason="error", error=out.error,
-                error_status=out.error_status,
-            ), abort=True)
+            self._finish(state, OmniOutput.failure(out.request_id, out.error, out.error_status), abort=True)
             return
 
         edges = [e for e in self.edges_from[stage] if e.dst in state.stages]
@@ -273,8 +269,7 @@ class Orchestrator:
                 try:
                     self._send(state, edge.dst, inp)
                 except StageError as exc:
-                    self._finish(state, OmniOutput(out.request_id, finish_reason="error", error=exc.message,
-                                                   error_status=exc.status), abort=True)
+                    self._finish(state, OmniOutput.failure(out.request_id, exc.message, exc.status), abort=True)
                     return
 
         if stage in state.pending_outputs:

@@ -26,11 +26,11 @@ from typing import Any, Protocol
 
 import zmq
 
-from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import StageError
 from omnistage.runtime import control
 from omnistage.runtime.connector import LinkSpec, dial_securely, open_link, serve_securely
 from omnistage.runtime.worker import ExitCallback, InFlight, OutputCallback
+from omnistage.types import StageInput, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -285,8 +285,8 @@ class ProcessStageWorker:
                 outputs.append(self.outbox.decode(item, frames))
             except Exception as exc:  # its request fails; the stage goes on
                 rid = item.key[0] if item.key else "?"
-                outputs.append(StageOutput(rid, self.stage, finished=True, finish_reason="error",
-                                           error=f"output of stage {self.stage!r} was lost: {exc}"))
+                outputs.append(StageOutput.failure(
+                    rid, self.stage, f"output of stage {self.stage!r} was lost: {exc}"))
         if msg.stats is not None:
             self._stats = msg.stats
         self.inflight.deliver(outputs)

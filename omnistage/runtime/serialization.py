@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 import torch
 
-from omnistage.engine.types import StageInput, StageOutput, TokenLogprob
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import StageInput, StageOutput, TokenLogprob
 
 TAG = "__omni__"  # reserved key marking a typed node in the header
 _TYPES: dict[str, type] = {}

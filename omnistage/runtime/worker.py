@@ -23,8 +23,8 @@ import torch
 
 from omnistage.devices import on_device
 from omnistage.engine.base import Engine
-from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import OmniError
+from omnistage.types import StageInput, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +120,9 @@ class EngineLoop:
             try:
                 self.engine.add_request(arg)
             except Exception as exc:  # a bad request must not take the stage down
-                return [StageOutput(
-                    request_id=arg.request_id, stage=self.stage, finished=True, finish_reason="error",
-                    error=f"stage {self.stage!r} rejected the request: {exc}",
-                    error_status=exc.status if isinstance(exc, OmniError) else 500,
+                return [StageOutput.failure(
+                    arg.request_id, self.stage, f"stage {self.stage!r} rejected the request: {exc}",
+                    exc.status if isinstance(exc, OmniError) else 500,
                 )]
         elif kind == "chunk":
             self.engine.add_input_chunk(arg[0], self.receive(arg[1]))
@@ -177,9 +176,8 @@ class InFlight:
             ids, self.ids = sorted(self.ids), set()
             self.failed = self.failed or (why, status)
         if ids:
-            self.on_outputs(self.stage, self.replica, [StageOutput(
-                request_id=rid, stage=self.stage, finished=True, finish_reason="error",
-                error=f"stage {self.stage!r} (replica {self.replica}) failed: {why}", error_status=status,
+            self.on_outputs(self.stage, self.replica, [StageOutput.failure(
+                rid, self.stage, f"stage {self.stage!r} (replica {self.replica}) failed: {why}", status,
             ) for rid in ids])
 
 

@@ -112,7 +112,7 @@ def serve(spec: control.WorkerSpec) -> int:
 
 def _receive(sock: zmq.Socket, inbox: control.Link, loop: Any, stopping: threading.Event) -> None:
     """Control messages -> loop commands, until Stop."""
-    from omnistage.engine.types import StageOutput
+    from omnistage.types import StageOutput
 
     try:
         while not stopping.is_set():
@@ -130,10 +130,8 @@ def _receive(sock: zmq.Socket, inbox: control.Link, loop: Any, stopping: threadi
             except Exception as exc:  # a payload that never arrived fails its request, not the stage
                 rid = msg.request_id if isinstance(msg, control.Chunk) else (msg.item.key or ("?",))[0]
                 loop.commands.put(("abort", rid))
-                loop.commands.put(("fail", StageOutput(
-                    rid, loop.stage, finished=True, finish_reason="error",
-                    error=f"stage {loop.stage!r} could not read its input: {exc}",
-                )))
+                loop.commands.put(("fail", StageOutput.failure(
+                    rid, loop.stage, f"stage {loop.stage!r} could not read its input: {exc}")))
                 continue
             if isinstance(msg, control.Add):
                 loop.commands.put(("add", inp))

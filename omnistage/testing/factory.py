@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from omnistage import envs
+
 # Bump whenever the produced files change, so stale cached checkpoints are not reused.
 FACTORY_VERSION = 1
 
@@ -166,7 +168,7 @@ def tiny_checkpoint(arch: str = "qwen2", seed: int = 0) -> Path:
     Cache root: $OMNISTAGE_CACHE (default ~/.cache/omnistage/tiny); entries are keyed by FACTORY_VERSION
     (OMNI_FACTORY_VERSION for qwen2_5_omni).
     """
-    root = Path(os.environ.get("OMNISTAGE_CACHE") or Path.home() / ".cache" / "omnistage" / "tiny")
+    root = Path(envs.CACHE_DIR.get() or Path.home() / ".cache" / "omnistage" / "tiny")
     if arch == "qwen2_5_omni":
         from omnistage.testing.qwen2_5_omni import OMNI_FACTORY_VERSION, make_tiny_qwen2_5_omni
 

@@ -10,11 +10,11 @@ import torch
 
 from omnistage import Omni
 from omnistage.config.deploy import load_deploy_config
-from omnistage.engine.types import StageInput
 from omnistage.families.causal_lm import build_ar_engine
 from omnistage.families.registry import detect_family
 from omnistage.sampling_params import SamplingParams
 from omnistage.testing.sync import recording_device_waits, recording_queue_drains
+from omnistage.types import StageInput
 
 PROMPTS = [[5, 77, 123, 9, 300], [8, 19, 250], [3, 66, 7, 9, 10, 11, 12]]
 SAMPLED = SamplingParams(max_tokens=11, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.3,

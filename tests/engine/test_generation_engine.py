@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omnistage.engine.generation.engine import GenerationEngine, InFlight
-from omnistage.engine.types import StageInput
+from omnistage.types import StageInput
 
 
 class Queue:

@@ -5,10 +5,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omnistage.config.deploy import load_deploy_config
-from omnistage.engine.types import StageInput
 from omnistage.families.causal_lm import build_ar_engine
 from omnistage.families.registry import detect_family
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import StageInput
 
 
 def test_hidden_states_match_hf(tiny_qwen3: str) -> None:

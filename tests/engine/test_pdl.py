@@ -31,9 +31,9 @@ def _layer_chain(hidden: torch.Tensor, layers: list[dict], k_cache: torch.Tensor
                  meta: dict) -> torch.Tensor:
     """What the fused decoder launches for a decode step, layer after layer (skinny GEMMs, split-K partials
     summed in add+RMSNorm, rotary with the KV write, split-K decode attention)."""
-    from omnistage.engine.ar.triton_attention import paged_attention_triton
     from omnistage.kernels import skinny_gemm as skinny
     from omnistage.kernels.fused import add_rmsnorm, rotary_kv_write
+    from omnistage.kernels.paged_attention import paged_attention_triton
 
     residual, tokens = None, hidden.shape[0]
     for p in layers:

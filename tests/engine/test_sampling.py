@@ -163,9 +163,9 @@ def test_launching_a_sampled_step_never_waits_for_the_device(tiny_qwen2: str) ->
     into an error; a launch queued behind GPU spin must return before the spin ends (waits it does not see, e.g.
     a copy from pageable memory; two rows in max_num_seqs 64's buffers: strided host slices)."""
     from omnistage.config.deploy import load_deploy_config
-    from omnistage.engine.types import StageInput
     from omnistage.families.causal_lm import build_ar_engine
     from omnistage.families.registry import detect_family
+    from omnistage.types import StageInput
 
     family, info = detect_family(tiny_qwen2)
     deploy = {"stages": {"lm": {"max_model_len": 128, "overlap_sampled": True, "max_num_seqs": 64}}}

@@ -95,7 +95,7 @@ def test_choose_tiling(monkeypatch) -> None:
     assert not skinny.choose_tiling(3584, 3584, sms=132).preload  # the thinker's o: 256 KB a program
     # float32 (the GPU tests' tiny models): the same bytes per stage, so shared memory still suffices
     assert skinny.choose_tiling(896, 18944, sms=132, elem_bytes=4).block_k == 256
-    monkeypatch.setattr(skinny, "PRELOAD", False)  # OMNISTAGE_SKINNY_PRELOAD=0: the K loop
+    monkeypatch.setattr(skinny, "PRELOAD", False)
     assert skinny.choose_tiling(896, 896, sms=132) == skinny.Tiling(32, 128, 2, 4, 4)
 
 

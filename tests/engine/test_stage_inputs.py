@@ -9,10 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omnistage.config.deploy import load_deploy_config
-from omnistage.engine.types import StageInput
 from omnistage.families.causal_lm import build_ar_engine
 from omnistage.families.registry import detect_family
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import StageInput
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPT = [5, 77, 123, 9, 300, 41, 8, 19, 250, 3, 66]

@@ -13,11 +13,10 @@ import httpx
 import openai
 import torch
 
-from omnistage.engine.types import TokenLogprob
 from omnistage.entrypoints.openai.server import BackgroundServer
 from omnistage.errors import RequestError
-from omnistage.runtime.messages import OmniOutput, OmniRequest
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import OmniOutput, OmniRequest, TokenLogprob
 
 API_KEY = "test-key"
 CHAT = [{"role": "user", "content": "Tell me about the river."}]

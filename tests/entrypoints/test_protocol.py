@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from omnistage.engine.types import TokenLogprob
 from omnistage.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, seeded_copies
 from omnistage.entrypoints.openai.server import (
     TextOffsets,
@@ -15,6 +14,7 @@ from omnistage.entrypoints.openai.server import (
     validation_message,
 )
 from omnistage.sampling_params import InvalidParams, SamplingParams
+from omnistage.types import TokenLogprob
 
 USER = [{"role": "user", "content": "hi"}]
 

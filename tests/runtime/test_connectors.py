@@ -12,7 +12,6 @@ import msgspec
 import pytest
 import torch
 
-from omnistage.engine.types import StageInput, StageOutput, TokenLogprob
 from omnistage.runtime import serialization
 from omnistage.runtime.connector import (
     InProcessConnector,
@@ -24,6 +23,7 @@ from omnistage.runtime.connector import (
     open_link,
 )
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import StageInput, StageOutput, TokenLogprob
 
 SHM = Path("/dev/shm")
 

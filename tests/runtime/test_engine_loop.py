@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
-from omnistage.engine.types import StageInput, StageOutput
 from omnistage.runtime.worker import EngineLoop
+from omnistage.types import StageInput, StageOutput
 
 
 class TimedEngine:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from omnistage import Omni, SamplingParams
 from omnistage.errors import ConfigError, StageError
-from omnistage.runtime.messages import OmniOutput, OmniRequest
+from omnistage.types import OmniOutput, OmniRequest
 
 from .two_stage_family import make_two_stage_checkpoint, two_stage_plugin
 

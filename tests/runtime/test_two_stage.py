@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omnistage import AsyncOmni, Omni, SamplingParams
-from omnistage.runtime.messages import OmniRequest
+from omnistage.types import OmniRequest
 
 from .two_stage_family import make_two_stage_checkpoint, two_stage_plugin
 
@@ -91,8 +91,8 @@ def test_abort_reaches_every_stage(two_stage_path: str, backend: str) -> None:
 def test_one_steps_sends_reach_a_stage_together(two_stage_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The draft's outputs of one step (three requests) reach refine in one hand-over, results unchanged; an
     input still waiting in that hand-over when its request fails is dropped rather than sent after the abort."""
-    from omnistage.engine.types import StageInput
     from omnistage.runtime.orchestrator import _RequestState
+    from omnistage.types import StageInput
 
     deploy = {"worker_backend": "inline", "async_chunk": True, "stages": {"*": {"max_model_len": 128}}}
     stage_params = {"draft": SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),

@@ -10,12 +10,11 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from omnistage.engine.types import StageInput, StageOutput
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
 from omnistage.families.causal_lm import CausalLMFamily, CausalLMPipeline, build_ar_engine
 from omnistage.families.registry import PLUGINS_ENV
-from omnistage.runtime.messages import OmniRequest
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import OmniRequest, StageInput, StageOutput
 
 MARKER = "omnistage_test_pipeline"
 

@@ -3,7 +3,7 @@
 A step's tokens from every sequence are packed into one row. Each layer writes the new tokens'
 K/V into cache slots (or its caller already has, fused with rotary: kernels/fused.py), then attends
 over each sequence's whole context read back from its blocks. Two backends share one cache layout:
-on CUDA a Triton kernel walks each sequence's block table (triton_attention.py; small decode
+on CUDA a Triton kernel walks each sequence's block table (kernels/paged_attention.py; small decode
 batches split each context's keys over several programs); elsewhere torch SDPA runs over the
 gathered contexts with a block-diagonal causal mask, one call per layer for the whole batch.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from omnistage.engine.ar.triton_attention import paged_attention_triton
+    from omnistage.kernels.paged_attention import paged_attention_triton
 except ImportError:  # Triton is needed only for the CUDA backend
     paged_attention_triton = None
 

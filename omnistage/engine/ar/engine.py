@@ -17,9 +17,9 @@ from omnistage.engine.ar.sampler import Sampler, SampleRow, SamplingColumns, Sta
 from omnistage.engine.ar.scheduler import Scheduler
 from omnistage.engine.ar.sequence import SeqStatus, Sequence
 from omnistage.engine.transfer import host_list, to_device
-from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import ConfigError, RequestError
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import StageInput, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -518,6 +518,4 @@ class AREngine:
 
     def _fail(self, seq: Sequence, message: str) -> StageOutput:
         self.abort(seq.request_id)
-        return StageOutput(
-            request_id=seq.request_id, stage=self.name, finished=True, finish_reason="error", error=message
-        )
+        return StageOutput.failure(seq.request_id, self.name, message)

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from omnistage.engine.transfer import host_list, to_device
-from omnistage.engine.types import TokenLogprob
 from omnistage.kernels import draw as fused_draw
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import TokenLogprob
 
 
 @dataclass

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
-from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import OmniError
+from omnistage.types import StageInput, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +162,7 @@ class GenerationEngine:
                     continue
                 if launched.error is not None:
                     self.abort(rid)  # and its later windows' outputs
-                    outputs.append(StageOutput(rid, self.name, finished=True, finish_reason="error",
-                                               error=launched.error[0], error_status=launched.error[1]))
+                    outputs.append(StageOutput.failure(rid, self.name, *launched.error))
                 else:
                     tensors = launched.outputs[n]
                     outputs.append(StageOutput(rid, self.name, tensors=tensors, finished=finished,

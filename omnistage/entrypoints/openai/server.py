@@ -51,7 +51,7 @@ from omnistage.entrypoints.openai.serving import (
     render_completion,
 )
 from omnistage.errors import OmniError, RequestError
-from omnistage.runtime.messages import OmniOutput, OmniRequest
+from omnistage.types import OmniOutput, OmniRequest
 
 if TYPE_CHECKING:
     from omnistage.entrypoints.async_omni import AsyncOmni

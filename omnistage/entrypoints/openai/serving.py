@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from pydantic import BaseModel
 
-from omnistage.engine.types import TokenLogprob
 from omnistage.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -47,8 +46,8 @@ from omnistage.entrypoints.openai.protocol import (
 )
 from omnistage.errors import RequestError, StageError
 from omnistage.media import encode_audio
-from omnistage.runtime.messages import OmniOutput, OmniRequest
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import OmniOutput, OmniRequest, TokenLogprob
 
 if TYPE_CHECKING:
     from omnistage.entrypoints.async_omni import AsyncOmni

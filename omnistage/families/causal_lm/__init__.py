@@ -9,13 +9,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from omnistage.config.deploy import DeployConfig, StageConfig
 from omnistage.devices import resolve_device
 from omnistage.engine.ar.engine import AREngine, AREngineConfig
-from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Pipeline, StageSpec
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
-from omnistage.runtime.messages import OmniRequest
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import OmniRequest, StageInput
 
 _SUPPORTED = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 

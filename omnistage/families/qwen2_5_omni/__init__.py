@@ -15,15 +15,14 @@ from omnistage.config.deploy import DeployConfig
 from omnistage.devices import resolve_device
 from omnistage.engine.ar.engine import AREngine
 from omnistage.engine.generation.engine import GenerationEngine
-from omnistage.engine.types import StageInput, StageOutput
 from omnistage.errors import ConfigError, RequestError
 from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
 from omnistage.families.causal_lm import TextPipeline, ar_engine
 from omnistage.families.qwen2_5_omni import models
 from omnistage.media import MEDIA_PART_TYPES, MediaLimits, load_part
-from omnistage.runtime.messages import OmniOutput, OmniRequest
 from omnistage.sampling_params import SamplingParams
+from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
 # The system prompt the released model was trained to speak under.
 SPEECH_SYSTEM_PROMPT = (

@@ -36,7 +36,6 @@ from transformers.initialization import no_init_weights
 from omnistage.engine.generation.engine import InFlight
 from omnistage.engine.generation.graphs import BatchGraphs
 from omnistage.engine.transfer import HostCopy, to_device
-from omnistage.engine.types import StageInput
 from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
@@ -44,6 +43,7 @@ from omnistage.families.qwen2_5_omni.dit import DiTSolver
 from omnistage.families.qwen2_5_omni.vocoder import DTYPES as VOCODER_DTYPES
 from omnistage.families.qwen2_5_omni.vocoder import cast_convolutions, fuse_activations
 from omnistage.kernels import exact_gemm
+from omnistage.types import StageInput
 
 logger = logging.getLogger(__name__)
 

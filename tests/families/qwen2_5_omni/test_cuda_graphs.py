@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from omnistage import Omni, SamplingParams
-from omnistage.engine.types import StageInput
 from omnistage.testing.sync import device_waits_raise
+from omnistage.types import StageInput
 
 pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchvision (installed by scripts/test)")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -240,7 +240,7 @@ def test_first_inputs_are_prepared_without_waiting_for_the_device(tiny_qwen2_5_o
     from omnistage.config.deploy import load_deploy_config
     from omnistage.families.qwen2_5_omni import thinker_to_talker
     from omnistage.families.registry import detect_family
-    from omnistage.runtime.messages import OmniRequest
+    from omnistage.types import OmniRequest
 
     family, info = detect_family(Path(tiny_qwen2_5_omni))
     pipeline = family.pipeline(info, load_deploy_config({"stages": {"*": {"max_model_len": 256}}}))

@@ -176,8 +176,8 @@ def test_the_talker_never_samples_a_code_token2wav_cannot_decode(tiny_qwen2_5_om
     """Banned for the talker: every codec id past the DiT's code embedding except the two stop codes, and the
     start code; a user's own bad ids are kept. Random weights sampled hot would otherwise reach them (the
     speech demo did: token2wav failed with an index error)."""
-    from omnistage.runtime.messages import OmniRequest
     from omnistage.sampling_params import SamplingParams
+    from omnistage.types import OmniRequest
 
     pipeline = build_pipeline(tiny_qwen2_5_omni)
     talker, embeds = pipeline.config.talker_config, pipeline.config.token2wav_config.dit_config.num_embeds

@@ -219,7 +219,7 @@ def test_windowed_token2wav_streams_audio_close_to_one_shot(tiny_qwen2_5_omni: s
     import asyncio
 
     from omnistage import AsyncOmni
-    from omnistage.runtime.messages import OmniRequest
+    from omnistage.types import OmniRequest
 
     messages = [{"role": "user", "content": "Tell me a long story."}]
     params = {"thinker": SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
@@ -252,7 +252,7 @@ def test_abort_reaches_all_three_stages(tiny_qwen2_5_omni: str) -> None:
     import time
 
     from omnistage import AsyncOmni
-    from omnistage.runtime.messages import OmniRequest
+    from omnistage.types import OmniRequest
 
     long = {"thinker": SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
             "talker": SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)}
@@ -350,8 +350,8 @@ def test_token2wav_batches_same_length_requests(tiny_qwen2_5_omni: str) -> None:
 
     from transformers import Qwen2_5OmniConfig
 
-    from omnistage.engine.types import StageInput
     from omnistage.families.qwen2_5_omni import models
+    from omnistage.types import StageInput
 
     path = Path(tiny_qwen2_5_omni)
     config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
@@ -427,8 +427,8 @@ def test_token2wav_default_windows_follow_the_dit_blocks(tiny_qwen2_5_omni: str,
 
     from transformers import Qwen2_5OmniConfig
 
-    from omnistage.engine.types import StageInput
     from omnistage.families.qwen2_5_omni import models
+    from omnistage.types import StageInput
 
     path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
     config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
@@ -501,8 +501,8 @@ def test_token2wav_graph_shapes_cover_streaming_windows(tiny_qwen2_5_omni: str) 
 
     from transformers import Qwen2_5OmniConfig
 
-    from omnistage.engine.types import StageInput
     from omnistage.families.qwen2_5_omni import models
+    from omnistage.types import StageInput
 
     path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
     config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
@@ -540,8 +540,8 @@ def test_token2wav_graph_shapes_cover_growing_windows(tiny_qwen2_5_omni: str, le
 
     from transformers import Qwen2_5OmniConfig
 
-    from omnistage.engine.types import StageInput
     from omnistage.families.qwen2_5_omni import models
+    from omnistage.types import StageInput
 
     path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
     config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
@@ -640,8 +640,8 @@ def test_short_windows_join_a_captured_length_without_changing_the_audio(tiny_qw
 
     from transformers import Qwen2_5OmniConfig
 
-    from omnistage.engine.types import StageInput
     from omnistage.families.qwen2_5_omni import models
+    from omnistage.types import StageInput
 
     path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
     config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config
@@ -691,8 +691,8 @@ def test_a_last_window_of_a_new_length_is_vocoded_at_a_captured_one(tiny_qwen2_5
     span's own length."""
     from transformers import Qwen2_5OmniConfig
 
-    from omnistage.engine.types import StageInput
     from omnistage.families.qwen2_5_omni import models
+    from omnistage.types import StageInput
 
     path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
     config = Qwen2_5OmniConfig.from_pretrained(path).token2wav_config

@@ -8,9 +8,9 @@ import pytest
 import torch
 from triton.runtime import interpreter
 
-from omnistage.engine.ar import triton_attention
 from omnistage.engine.ar.attention import KVSpec, PagedKVCache
-from omnistage.engine.ar.triton_attention import decode_splits, paged_attention_triton
+from omnistage.kernels import paged_attention as triton_attention
+from omnistage.kernels.paged_attention import decode_splits, paged_attention_triton
 
 _patch_tensor = interpreter._patch_lang_tensor
 
@@ -147,5 +147,5 @@ def test_decode_splits_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert h200 == [32, 16, 8, 4, 2, 1, 1]
     assert decode_splits(1, 4, 5, 16, 32, 132) == 3  # 80 keys at most: three chunks of 32
     assert decode_splits(1, 4, 2048, 16, 32, 1) == 1  # no SM count (CPU): single pass
-    monkeypatch.setattr(triton_attention, "MAX_SPLITS", 8)  # OMNISTAGE_DECODE_SPLITS=8
+    monkeypatch.setattr(triton_attention, "MAX_SPLITS", 8)
     assert [decode_splits(batch, 4, 2048, 16, 32, 132) for batch in (1, 8, 16, 32)] == [8, 8, 8, 4]

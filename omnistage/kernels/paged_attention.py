@@ -17,7 +17,6 @@ the launch is the same on every CUDA-graph replay; each program derives its key 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -216,8 +215,7 @@ def _decode_combine_kernel(
              mask=dim_ok)
 
 
-# OMNISTAGE_DECODE_SPLITS=N: at most N programs per sequence's keys (default 32; for comparisons)
-MAX_SPLITS = int(os.environ.get("OMNISTAGE_DECODE_SPLITS", "32"))
+MAX_SPLITS = 32  # at most this many programs per sequence's keys (benchmarks compare other caps)
 
 
 @functools.cache
