@@ -327,9 +327,9 @@ def only_graph_buckets(buckets: str | None) -> None:
     ("1,64"). Only for probes that decode no larger batch than the largest of them (the runner would look for a
     graph that is not there). None: the runner's buckets."""
     if buckets:
-        import omnistage.engine.ar.model_runner as model_runner
+        import omnistage.engine.ar.cuda_graphs as cuda_graphs
 
-        model_runner._bucket_sizes = lambda max_batch: [int(b) for b in buckets.split(",")]
+        cuda_graphs.bucket_sizes = lambda max_batch: [int(b) for b in buckets.split(",")]
 
 
 def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], record,

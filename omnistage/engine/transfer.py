@@ -31,8 +31,8 @@ class HostCopy:
     """Copies of `tensors` to the host, launched on the current stream; `done` (a CUDA event) marks when they
     have landed, `wait()` returns them. From CUDA through pinned memory and an event: a copy into pageable
     memory waits inside the driver for its stream to get there, and other threads' CUDA calls on the device
-    (another stage's event records and graph launches) can wait behind it all that time (run 12: the talker's
-    steps stalled for whole flow-matching solves of token2wav, whose audio left that way). The results are
+    (another stage's event records and graph launches) can wait behind it all that time (the talker's steps
+    would stall for whole flow-matching solves of token2wav if its audio left that way). The results are
     ordinary host tensors: the pinned blocks go back to PyTorch's host cache."""
 
     def __init__(self, tensors: list[torch.Tensor]):

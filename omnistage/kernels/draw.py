@@ -1,9 +1,8 @@
 """One kernel for a decode step's whole draw over a small vocabulary (a codec head's few thousand ids).
 
 `Sampler.on_device` in torch is ~45 small kernels per step: penalties, a full-vocabulary radix sort for top-k
-and top-p, two softmaxes, argmaxes, the history's scatters. At batch 1 each costs a few microseconds whatever it
-does, ~0.1 ms of the Qwen2.5-Omni talker's 1.3 ms per code on an H200. Here one program per row holds the row's
-logits in registers and
+and top-p, two softmaxes, argmaxes, the history's scatters. At batch 1 each costs a launch whatever it does, a
+visible share of a small talker's step. Here one program per row holds the row's logits in registers and
 
 - applies the repetition, frequency and presence penalties (reading the row's token history by slot) and bans,
 - takes the greedy id, then divides by the temperature,
@@ -16,8 +15,6 @@ logits in registers and
 - draws by the same exponential race as torch (argmax of exp(x - max) / noise; the softmax's common divisor
   cannot change the argmax), with the noise torch drew for the step,
 - and records the token in the row's history.
-
-On an H200 the talker alone went from 1.305 to 1.249 ms a code (benchmarks/results/omni_qwen2_5.md, run 16d).
 
 Where torch's draw sorts, this one compares with thresholds: tokens tied at a top-k or top-p boundary are all
 kept (torch keeps those its sort happens to order first; bfloat16 logits tie often), and sums and exponentials
@@ -58,7 +55,7 @@ if triton is not None:
         """A cut with exactly k of `key` at or above it (the top k, whatever the k-th largest is), found by
         bisection on the keys' bits; it stops as soon as it meets one, and otherwise (ties at the k-th largest)
         ends on the k-th largest itself after 32 steps. (A five-way search, four counts packed into one int64
-        reduction a step, took ~14 steps but was slower on an H200: top-k 26.6 against 17.2 µs a draw, run 30c.)"""
+        reduction a step, takes fewer steps, but each costs more than it saves.)"""
         lo, hi = tl.full((), -2147483648, tl.int64), tl.full((), 2147483648, tl.int64)
         count = k + 1
         while (hi - lo > 1) & (count != k):
@@ -70,7 +67,7 @@ if triton is not None:
 
     # `features` bits: which of a batch's sampling features any row uses. Runtime flags, not constexprs, so one
     # compiled kernel serves every combination: a request with a new mix of settings does not stop the stage for
-    # the seconds a compile takes (it did, 3.2-3.3 s, run 38a).
+    # the seconds a compile takes.
     _REPETITION, _FREQUENCY, _PRESENCE, _BAN = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4), tl.constexpr(8)
     _GREEDY, _RECORD, _FILTER, _SAMPLE = tl.constexpr(16), tl.constexpr(32), tl.constexpr(64), tl.constexpr(128)
 

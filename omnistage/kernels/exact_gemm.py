@@ -6,9 +6,8 @@ operand's mantissa. Here each float32 operand is split into its TF32 rounding an
 that leaves out, and three tensor-core products (high x high, high x low, low x high; low x low falls below
 float32's resolution) accumulate in float32: Triton's `tl.dot(..., input_precision="tf32x3")`.
 
-On an H200 (benchmarks/results/omni_qwen2_5.md, run 42d) token2wav's DiT matmuls came out this way closer to a
-float64 product than cuBLAS's strict float32 (largest relative error 2-4e-7 against 1.0-2.0e-6) and 1.4-1.9x
-faster; TF32 (3e-4) is ~4x faster again, for those who accept its rounding.
+On token2wav's DiT matmuls this comes out closer to a float64 product than cuBLAS's strict float32, and
+faster; plain TF32 is faster again, for those who accept its rounding (benchmarks/results/ has the figures).
 
 `exact_linear` is used where torch would run strict float32 on CUDA (float32 input, TF32 matmuls not allowed);
 `ENABLED = False` keeps cuBLAS there (benchmarks compare). Tiles are fixed by the shape (no autotuning:
@@ -64,8 +63,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gelu: bool
 
 
 def _tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by shape, from a sweep of token2wav's DiT matmuls on an H200
-    (run 42d): narrow tiles where few rows and columns would leave SMs idle, wider ones for large batches."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by shape, from a sweep of token2wav's DiT matmuls: narrow
+    tiles where few rows and columns would leave SMs idle, wider ones for large batches."""
     if m <= 256 and n <= 1024:
         return 32, 64, 32, 4, 4
     if m <= 1024:

@@ -229,10 +229,10 @@ def decode_splits(batch: int, kv_heads: int, max_blocks: int, page_size: int, bl
     """How many programs share each decode sequence's keys: the largest power of two that keeps the
     grid within ~4 programs per SM (4 * SMs // (batch * kv_heads)), at most MAX_SPLITS (32), and no more than the
     BLOCK_N chunks the block table can hold. 1 means the grid already fills the GPU: the single-pass
-    kernel runs. Only shapes go in, so a CUDA graph's launch suits every replay. On an H200 (132 SMs)
-    with 4 KV heads: 32, 16, 8, 4, 2 and 1 splits at batch 1, 8, 16, 32, 64 and 128, the fastest (or
-    within ~10% of it) of the power-of-two counts up to 32 timed there at 256 to 2048 keys
-    (benchmarks/decode_attention.py --splits); at batch 128 two splits were already ~8-17% slower than one."""
+    kernel runs. Only shapes go in, so a CUDA graph's launch suits every replay. With 132 SMs and 4 KV
+    heads that is 32, 16, 8, 4, 2 and 1 splits at batch 1, 8, 16, 32, 64 and 128, at or near the best
+    power-of-two count at 256 to 2048 keys (benchmarks/decode_attention.py --splits); once the grid fills
+    the GPU, splitting only adds the reduction."""
     wanted = max(1, 4 * sm_count // (batch * kv_heads))
     return max(1, min(1 << (wanted.bit_length() - 1), MAX_SPLITS, triton.cdiv(max_blocks * page_size, block_n)))
 

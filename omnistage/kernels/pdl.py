@@ -1,10 +1,9 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels, on Hopper and later.
 
-A batch-1 decode step is a chain of ~200 kernels of a few µs each, and every link costs time whatever the
+A batch-1 decode step is a chain of ~200 short kernels, and every link costs time whatever the
 kernel does: the next kernel is launched only once the previous one has drained. With PDL the next kernel is
 launched while the previous one still runs and executes `griddepcontrol.wait` before it reads anything an
-earlier kernel wrote, so its launch overlaps the previous kernel's tail (on an H200 the talker's code 1.38 ->
-1.33 ms, one Qwen2.5-Omni request 1.49 -> 1.39 s; benchmarks/results/omni_qwen2_5.md, run 15).
+earlier kernel wrote, so its launch overlaps the previous kernel's tail.
 
 The rule every kernel launched with `launch_pdl` follows: call `wait_for_inputs(PDL)` before any load or
 store of what the previous kernel may write; `launch_next(PDL)` only after it, early in a short kernel, after
@@ -12,8 +11,8 @@ the main loop in a long one. So when a kernel launches, every kernel before the 
 its writes are visible: weights, the step's metadata and tables, and cache entries of earlier steps may be
 read before the wait (small GEMMs' whole weight tiles, decode attention's older keys), never the previous
 kernel's outputs. A kernel that follows one launched without PDL (torch's, cuBLAS's) finds its wait already
-met. Reading a large GEMM's weights before the wait (into L2, or its first tile of a K loop into registers)
-was slower there; reading a small one's whole tile was faster (run 19).
+met. Only a small GEMM reads its weights before the wait (its whole tile); for a large one, prefetching
+(into L2, or a K loop's first tile into registers) does not pay.
 Off on CPU, before Hopper, and after `set_enabled(False)` (benchmarks compare with it off).
 """
 

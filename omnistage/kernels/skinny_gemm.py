@@ -1,7 +1,7 @@
 """Linear layers for decode batches of a few rows (a "skinny" GEMM: M ≤ 16), on CUDA.
 
 At batch 1 a decode step only streams weights, so a linear layer should run at the memory's bandwidth.
-cuBLAS's kernels reached ~60% of it on the talker's shapes (H200 profile) and a layer's output then went
+cuBLAS's kernels fall well short of it on the talker's shapes and a layer's output then went
 through separate kernels (bias, SiLU-mul, split-K reduce). Here one Triton kernel reads a tile of weight
 rows against all (≤ 16, zero-padded) input rows with `tl.dot`, and either
 
@@ -15,13 +15,11 @@ Elsewhere (CPU, or more rows) the same math runs through torch.
 
 Under programmatic dependent launch (`omnistage.kernels.pdl`) a program lets the next kernel launch once its
 K loop is done. Small weights (the talker's qkv and o) skip the loop: each program reads its whole slice of K
-before the wait, while the previous kernel finishes (`_preload_tiling`). For larger K that did not pay on an
-H200: loading a K loop's first tile before the wait (the talker's code 1.343 vs 1.301 ms, run 15c), our own
-pipeline of register tiles started before it (gate-up 24.9 vs 18.1 µs, run 19f), pulling weights into L2 ahead
-of a GEMM from earlier kernels or a side stream (run 17), weight tiles through TMA descriptors (the same µs per
-GEMM within 0.5, the talker's code 1.155 -> 1.206 ms, run 25a; branch exp/tma-tiles); and, by far, doing the
-add+RMSNorm that feeds a GEMM inside its programs (1.94 vs 1.25 ms, run 17) or the whole gated MLP in one
-kernel (32.1 vs 30.5 µs, run 19).
+before the wait, while the previous kernel finishes (`_preload_tiling`). For larger K none of these pays,
+so none is done: loading a K loop's first tile before the wait, a pipeline of register tiles started before
+it, pulling weights into L2 ahead of a GEMM from earlier kernels or a side stream, weight tiles through TMA
+descriptors, and (worst) fusing the add+RMSNorm that feeds a GEMM into its programs or the whole gated MLP
+into one kernel (benchmarks/results/ has the comparisons).
 """
 
 from __future__ import annotations
@@ -182,17 +180,15 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: int = 2,
                   splittable: bool = True) -> Tiling:
-    """Tiles from a sweep on an H200 (benchmarks/skinny_gemm.py --sweep, bf16, one row): 32 weight rows per
+    """Tiles from a sweep (benchmarks/skinny_gemm.py --sweep, bf16, one row): 32 weight rows per
     program (64 where 32 would leave a second, nearly empty wave), 32 KB of weights per pipeline stage (8 KB
     per matrix for gate-up's two, and for K < 2048, whose few steps pipeline better short), and K split in
-    powers of two while the programs still fit one per SM with every slice at least two steps long. More
-    programs than SMs was slower on every split shape: a program's stages in flight keep the memory busy (and
-    twice or four times the programs, sized for 2 or 4 per SM, slowed the talker alone and beside token2wav
-    alike: 1.287 -> 1.338 / 1.406 ms a code, run 18c). The talker's down projection in 8 KB stages and 9 slices
-    (a quarter of the shared memory a program, two programs a SM) was faster alone (1.128 -> 1.111 ms a code)
-    but slower in the pipeline (1.305 -> 1.315 ms a code after the reply; run 25e, branch exp/small-splits).
-    Small weights are read whole instead (`_preload_tiling`). `splittable`: the result may come back as split-K
-    partials (the caller sums them; no rotary epilogue); otherwise a split's slices would be joined into one.
+    powers of two while the programs still fit one per SM with every slice at least two steps long. No more
+    programs than SMs: a program's stages in flight already keep the memory busy, and programs sized for 2 or
+    4 per SM lose, alone and beside token2wav (the talker's down projection too, where they help it alone but
+    not in the pipeline). Small weights are read whole instead (`_preload_tiling`). `splittable`: the result
+    may come back as split-K partials (the caller sums them; no rotary epilogue); otherwise a split's slices
+    would be joined into one.
     From shapes and SM count only, so a CUDA graph captured once stays valid."""
     if PRELOAD and not gate_up:
         preloaded = _preload_tiling(n, k, sms, elem_bytes, splittable)
@@ -214,11 +210,10 @@ def _preload_tiling(n: int, k: int, sms: int, elem_bytes: int, splittable: bool)
     """A tiling whose programs each read their whole slice of K in one tile before the PDL wait, so a small
     weight streams while the previous kernel finishes, or None where that does not fit: all row tiles in one
     wave and at most PRELOAD_MAX_BYTES a program. 16 rows a program, K split while the programs still fit the
-    GPU; 32 rows (twice the splits) where a split weight's slices of 16 rows would be longer than 512. On an
-    H200 (run 19d, run 25a): Qwen2-0.5B-shaped qkv 3.6 -> 2.3 µs (16 rows, whole K) and o + add+RMSNorm 3.3 ->
-    2.7 µs (16 rows, 2 slices); the released talker's qkv (2560 x 896) 3.96 -> 3.72 µs (32 rows, whole K) and
-    o (896 x 1536) 4.17 -> 3.67 µs (32 rows, 4 slices of 384). The talker's codec head (528 tiles of 16) is
-    faster on the K loop: tiles past the first wave gain nothing (7.2 against 5.5 µs)."""
+    GPU; 32 rows (twice the splits) where a split weight's slices of 16 rows would be longer than 512. This
+    suits the talker's qkv (2560 x 896, 32 rows, whole K) and o (896 x 1536, 32 rows, 4 slices of 384). A
+    weight with more row tiles than one wave (the talker's codec head, 528 tiles of 16) keeps the K loop:
+    tiles past the first wave gain nothing from reading early."""
     for block_n in (16, 32):
         tiles = triton.cdiv(n, block_n)
         if tiles > sms:

@@ -36,11 +36,11 @@ def recording_device_waits(fn: Callable[..., Any], waits: list[str]) -> Callable
 
 def recording_queue_drains(fn: Callable[..., Any], drains: list[str], sleep_cycles: int = 100_000_000
                            ) -> Callable[..., Any]:
-    """`fn`, called behind ~50 ms of queued GPU spin on the current stream; a call that returns only after the
-    spin ended waited for the device, and is recorded in `drains`. This sees waits the sync debug mode does not:
-    an asynchronous call the driver may finish only once the stream has drained (CUDA allows it for a copy from
-    pageable memory, such as the pageable temporary PyTorch copies a strided slice of a pinned buffer through;
-    on an H200 the engine's small copies of that kind did not wait: run 34c)."""
+    """`fn`, called behind a long queued GPU spin (`sleep_cycles`) on the current stream; a call that returns
+    only after the spin ended waited for the device, and is recorded in `drains`. This sees waits the sync debug
+    mode does not: an asynchronous call the driver may finish only once the stream has drained (CUDA allows it
+    for a copy from pageable memory, such as the pageable temporary PyTorch copies a strided slice of a pinned
+    buffer through, though a driver need not make a small copy wait)."""
     @wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         torch.cuda._sleep(sleep_cycles)

@@ -154,7 +154,7 @@ def test_an_abort_during_a_burst_frees_it_and_spares_the_others(tiny_qwen2: str)
 def test_a_bursts_positions_equal_each_steps() -> None:
     """What a burst graph computes once for all its steps (slots through the block tables, lengths, rotary
     positions) equals what each step alone computed, with steps crossing into later blocks."""
-    from omnistage.engine.ar.model_runner import burst_positions
+    from omnistage.engine.ar.cuda_graphs import burst_positions
 
     steps, block = 8, 4
     tables = torch.randperm(40).view(5, 8).int()  # 5 rows, 8 blocks each, shuffled

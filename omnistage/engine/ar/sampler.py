@@ -284,7 +284,7 @@ class Sampler:
     @staticmethod
     def warm_up(vocab: int, device: torch.device) -> None:
         """Compile the fused draw at start-up, not in a request: one kernel serves every mix of settings, and
-        compiling it stopped the talker for 3.2 s in the first speech request after start-up (run 38a)."""
+        compiling it inside the first speech request would stop the talker for seconds."""
         logits = torch.zeros(1, vocab, device=device)
         if fused_draw.supported(logits):
             fused_draw.draw(logits, None, torch.ones(1, 1, device=device), *[None] * 11, record=False)

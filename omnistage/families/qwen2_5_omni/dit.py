@@ -8,7 +8,7 @@ noisy state, with query/key/value in one matmul; each query block attends only t
 reach (transformers scores every frame against every frame and masks most scores away), and each seam between
 sublayers (gated residual, norm, modulation) is one pass; on CUDA both are Triton kernels (omnistage/kernels).
 A float32 DiT's linear layers run on CUDA as 3xTF32 tensor-core products (`exact_gemm`: as exact as strict
-float32, 1.4-1.9x faster than cuBLAS's) unless TF32 is asked for.
+float32, and faster than cuBLAS's) unless TF32 is asked for.
 Same weights and arithmetic as transformers' `Qwen2_5OmniToken2WavDiTModel` up to float rounding
 (tests/families/qwen2_5_omni bound the difference).
 """

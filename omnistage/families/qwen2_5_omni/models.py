@@ -350,7 +350,7 @@ class Token2Wav:
                 yield
 
         self.solve = BatchGraphs(self.solver.solve, max_batch, key_input=1, pool=pool, context=solve_context)
-        # no carveout for the vocoder: its convolutions are cuDNN's, which it does not reach (run 18d)
+        # no carveout for the vocoder: its convolutions are cuDNN's, which the carveout does not reach
         self.vocode = BatchGraphs(self._vocode, max_batch, pool=vocoder_pool)
         self.solve_lengths: list[int] = []  # codes per window the solve has graphs for (warm_up)
         self.vocoder_lengths: list[int] = []  # mel frames the vocoder has graphs for (warm_up)
@@ -438,9 +438,9 @@ class Token2Wav:
         `overlap_vocoder_max_batch` > 0 (CUDA) the vocoder passes and the audio's copy to the host run on a
         stream of their own, and a batch of up to that many windows is `busy` only until its solves are done:
         the engine can launch a request's next window, whose solve needs only this solve's kept context, while
-        the vocoder still works on this one. One request ends 5-8 ms sooner on an H200 (runs 21d, 21e). Larger
-        batches stay busy until their audio is out, so the next batch gathers the windows that arrive meanwhile
-        (with every batch overlapped, 32 requests made 6.07 against 6.15 per second, run 21d)."""
+        the vocoder still works on this one, so a request ends sooner. Larger batches stay busy until their
+        audio is out, so the next batch gathers the windows that arrive meanwhile (overlapping every batch
+        costs a busy server throughput)."""
         plans = {i: plan for i, inp in enumerate(inputs) if (plan := self._plan(inp)) is not None}
         lengths = {i: self._solve_length(end - start) for i, (start, _, end) in plans.items()}
         mels = self._grouped(plans, lambda i: lengths[i], lambda members: self._mels(
@@ -543,9 +543,9 @@ class Token2Wav:
     def _widened(self, inp: StageInput, plan: tuple[int, int, int], span: tuple[int, int]) -> tuple[int, int]:
         """A vocoder span of a length with no graph (a request's last window, mostly) moved left, onto mel of the
         request's earlier windows, to the shortest length that has one: its new samples then come with more left
-        context than `vocoder_context`, where an eager pass at a length never seen before costs cuDNN ~0.17 s
-        (up to 0.9) of host time to plan, once per length (run 38d), and halved 32 requests' throughput where every
-        request had a new length (run 41a). As is where too little earlier mel is kept
+        context than `vocoder_context`, where an eager pass at a length never seen before costs cuDNN a
+        long host-side plan, once per length, which stalls a busy server where every request has a new length.
+        As is where too little earlier mel is kept
         (an utterance shorter than the first window) or no graph is longer."""
         lo, hi = span
         if not self.widen_vocoder_spans or hi - lo in self.vocoder_lengths:
@@ -625,10 +625,10 @@ _MIN_AMPLITUDE = math.exp(-115 / 20.0 * math.log(10))  # -115 dB, the vocoder's 
 
 
 def default_vocoder_overlap(dit_dtype: torch.dtype, tf32: bool) -> int:
-    """`overlap_vocoder_max_batch` when not set: 2, but 0 with the DiT in strict float32. Beside a solve that
-    short (~30 ms a window in bfloat16 on an H200) a window's vocoder finishes early and one request ends 5-8 ms
-    sooner (runs 21d, 21e); beside a strict float32 solve (~0.12 s alone, longer beside the reply) it starved:
-    a request's first audio came at 0.71 against 0.46 s with the vocoder after the solve (run 43e)."""
+    """`overlap_vocoder_max_batch` when not set: 2, but 0 with the DiT in strict float32. Beside a short
+    solve (bfloat16 or TF32) a window's vocoder finishes early and a request ends sooner; beside a strict
+    float32 solve, several times longer, the overlapped vocoder starves and a request's first audio comes
+    later than with the vocoder after the solve."""
     return 0 if dit_dtype == torch.float32 and not tf32 else 2
 
 
