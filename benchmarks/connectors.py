@@ -149,7 +149,7 @@ same encoding sent over ZMQ on loopback TCP. Shared 2-core CPU VM: compare rows,
 
 RESULTS_NOTES = """
 Reading the table:
-- The runtime never puts small payloads on a connector: payloads with at most `inline_max_bytes`
+- The runtime never puts small payloads on a connector: payloads with at most `advanced.inline_max_bytes`
   (64 KB by default) of tensors ride inline on the ZMQ control channel, so the 1 KB rows show fixed
   costs, not what a decode step pays.
 - shm pays a handful of file and mapping syscalls per payload on each end (about 80 µs for put +

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+from llm_throughput import random_qwen2
 
-from benchmarks.llm_throughput import random_qwen2
 from omnistage.bench.serve import run_bench
 from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.entrypoints.openai.server import BackgroundServer

@@ -22,6 +22,7 @@ import time
 import traceback
 
 import torch
+from switches import add_kernel_switches, apply_kernel_switches
 
 from omnistage.engine.ar.engine import AREngine, AREngineConfig
 from omnistage.families.causal_lm import causal_lm_model
@@ -59,11 +60,13 @@ def random_qwen2(tiny: bool) -> tuple[torch.nn.Module, object]:
 
 
 class Recorder:
-    def __init__(self, path: str | None):
-        self.path = path
+    def __init__(self, path: str | None, kernels: dict | None = None):
+        self.path, self.kernels = path, kernels or {}
 
     def __call__(self, **row) -> None:
-        row["device"] = torch.cuda.get_device_name()
+        row["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        if self.kernels:
+            row["kernels"] = self.kernels
         line = json.dumps(row)
         print(line, flush=True)
         if self.path:
@@ -217,8 +220,10 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--parts", default="parity,ours,hf")
     ap.add_argument("--tiny", action="store_true")
+    add_kernel_switches(ap)
     args = ap.parse_args()
-    record = Recorder(args.out)
+    kernels = apply_kernel_switches(args)  # A/B: the module settings the flags name, recorded in each row
+    record = Recorder(args.out, kernels)
     model, config = random_qwen2(args.tiny)
     vocab = config.vocab_size
     parts = args.parts.split(",")

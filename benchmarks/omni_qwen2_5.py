@@ -25,8 +25,8 @@ each) or the one `--deploy-config` names; `--backends process` puts each stage i
     python benchmarks/omni_qwen2_5.py --parts ours --vary-codes 96   # every request a length not seen before
     python benchmarks/omni_qwen2_5.py --tiny                      # the tiny checkpoint (CPU is fine)
 
-token2wav alone (window sizes, batches, DiT precision): benchmarks/token2wav_windows.py; the talker alone:
-benchmarks/talker_steps.py.
+token2wav alone (window sizes, batches, DiT precision): `benchmarks/kernel_bench.py token2wav`; the talker
+alone: tools/profile/talker_steps.py.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import httpx
 import torch
 import yaml
 from recording import recorder
+from switches import add_kernel_switches, apply_kernel_switches
 
 from omnistage import AsyncOmni, SamplingParams
 from omnistage.bench.serve import stream_events
@@ -283,7 +284,8 @@ def parse_settings(items: list[str]) -> dict[str, Any]:
 
 
 def apply_settings(deploy: dict[str, Any], settings: dict[str, Any]) -> None:
-    """Dotted deploy-config fields (`--set stages.token2wav.options.max_window=96`) into `deploy`; without a GPU,
+    """Dotted deploy-config fields (`--set stages.token2wav.options.max_window=96`,
+    `--set stages.talker.advanced.decode_burst=4`) into `deploy`; without a GPU,
     stages inline and without device placement."""
     for key, value in settings.items():
         *parents, leaf = key.split(".")
@@ -353,21 +355,25 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
         sent += n
         return out
     steps = None
-    if step_trace:
+    if step_trace:  # a diagnostic kept in tools/profile/
+        sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tools" / "profile"))
         from step_trace import StepTrace
 
         steps = StepTrace()
     deploy = yaml.safe_load(deploy_config.read_text())
     deploy["worker_backend"] = backend or deploy.get("worker_backend", "inline")
     for name in ("thinker", "talker"):
-        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency), overlap_decode=overlap_decode)
-        if overlap_sampled is not None:  # else the deploy config's (on for the talker)
-            deploy["stages"][name]["overlap_sampled"] = overlap_sampled
+        deploy["stages"][name].update(max_model_len=2048, max_num_seqs=max(concurrency))
+        advanced = deploy["stages"][name].setdefault("advanced", {})
+        advanced["overlap_decode"] = overlap_decode
+        if overlap_sampled is not None:  # else the engine's default (on)
+            advanced["overlap_sampled"] = overlap_sampled
     deploy["stages"]["token2wav"].update(max_num_seqs=max(concurrency), dtype=token2wav_dtype)
-    deploy["stages"]["token2wav"]["options"]["tf32"] = tf32
+    if tf32:
+        deploy["stages"]["token2wav"].setdefault("advanced", {})["tf32"] = True
     if stream_priority != "auto":
         for stage in deploy["stages"].values():
-            stage["stream_priority"] = stream_priority
+            stage.setdefault("advanced", {})["stream_priority"] = stream_priority
     apply_settings(deploy, settings or {})
     started = time.perf_counter()
     engine = AsyncOmni(path, deploy)
@@ -434,8 +440,8 @@ def ours(path: Path, thinker_tokens: int, codes: int, concurrency: list[int], re
             record(part="omnistage", deploy_config=deploy_config.name, backend=deploy["worker_backend"],
                    token2wav_dtype=token2wav_dtype, tf32=tf32,
                    stream_priority=stream_priority, overlap_decode=overlap_decode,
-                   overlap_sampled=deploy["stages"]["talker"].get("overlap_sampled", False),
-                   decode_burst=deploy["stages"]["talker"].get("decode_burst", 1),
+                   overlap_sampled=deploy["stages"]["talker"]["advanced"].get("overlap_sampled", True),
+                   decode_burst=deploy["stages"]["talker"]["advanced"].get("decode_burst", "family default"),
                    settings=settings or {}, concurrency=n, requests=len(runs[0][0]),
                    prompt_tokens=results[0]["prompt"],
                    thinker_tokens=thinker_tokens, codes=codes, vary_codes=vary_codes,
@@ -527,16 +533,21 @@ def main() -> None:
     ap.add_argument("--timeline", type=Path, help="append each wave's stage activity (per 0.1 s) and per-request "
                     "event times (first/last text, each audio chunk) here as JSON lines")
     ap.add_argument("--step-trace", action="store_true",
-                    help="with --timeline: every engine step of each wave too (benchmarks/step_trace.py)")
+                    help="with --timeline: every engine step of each wave too (tools/profile/step_trace.py)")
     ap.add_argument("--switch-intervals", default="",
                     help="comma-separated seconds: one more wave at the largest concurrency with each as the "
                          "interpreter's thread switch interval (sys.setswitchinterval)")
     ap.add_argument("--gc-compare", action="store_true",
                     help="one more wave at the largest concurrency with start-up objects back in the collector's scans")
     ap.add_argument("--checkpoint", help="where the full-size checkpoint is (written there if missing)")
+    add_kernel_switches(ap)
     args = ap.parse_args()
+    kernels = apply_kernel_switches(args)
 
-    record = recorder(args.out)
+    def record(**row) -> None:
+        write(**row, **({"kernels": kernels} if kernels else {}))
+
+    write = recorder(args.out)
 
     if args.tiny:
         from omnistage.testing import tiny_checkpoint

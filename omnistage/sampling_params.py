@@ -6,6 +6,21 @@ from dataclasses import dataclass, field, fields, replace
 
 from omnistage.errors import RequestError
 
+# vLLM's SamplingParams fields that omnistage accepts and does not act on, so a vLLM client's params dict can
+# be sent whole (in a request body or a `sampling_params_list` entry); the server logs them at debug level.
+VLLM_IGNORED_FIELDS = frozenset({
+    "detokenize",  # text is always produced
+    "spaces_between_special_tokens",  # fast (Rust) tokenizers have no such option
+    "prompt_logprobs",
+    "output_kind", "output_text_buffer_length", "truncate_prompt_tokens", "guided_decoding", "structured_outputs",
+    "logits_processors", "allowed_token_ids", "extra_args", "flat_logprobs", "skip_clone",
+    "use_beam_search", "length_penalty", "early_stopping",  # beam search (older vLLM)
+    "_real_n", "_all_stop_token_ids", "_bad_words_token_ids",  # vLLM's private fields, when a dict carries them
+})
+# vLLM's fields checked rather than applied: n and best_of belong to the request, not to a stage; logit_bias and
+# bad_words are refused when non-empty (unsupported: silently ignoring them would change what is sampled).
+VLLM_CHECKED_FIELDS = frozenset({"n", "best_of", "logit_bias", "bad_words"})
+
 
 class InvalidParams(RequestError):
     """A sampling parameter is out of range; the message says which and how to fix it."""

@@ -10,7 +10,7 @@ import copy
 import difflib
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -23,42 +23,47 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class Advanced(_Strict):
+    """Base of a stage kind's `advanced:` block: internal tuning whose defaults the engine or family chooses.
+
+    Each stage kind subclasses it with its own fields (the AR engine: `ARAdvanced`; a family's stages: their own);
+    the family checks every stage's block against its kind when the pipeline is built (`check_stages`). Values
+    are taken as given (strict): `true` is no integer, `"8"` no number."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    stream_priority: Literal["high", "normal"] | None = Field(
+        None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
+        "favours when stages share it; None: high for autoregressive stages (a request waits on each short step), "
+        "normal for the rest")
+
+
 class StageConfig(_Strict):
     """Placement, sizing and defaults of one stage."""
 
+    # placement
     devices: str | None = Field(None, description='Device ids, e.g. "0" or "1,2"; None: cuda:0 if present else cpu')
     replicas: int = Field(1, ge=1)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=16)
-    max_model_len: int | None = Field(None, ge=16)
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    # sizing
+    max_num_seqs: int = Field(64, ge=1, description="Requests (or, for token2wav, windows) stepped together")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="Tokens one step may compute")
+    max_model_len: int | None = Field(None, ge=16, description="Context length; None: the model's own")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="Share of the GPU for weights + KV")
     kv_cache_memory_gb: float | None = Field(None, gt=0.0, description="Explicit KV cache budget")
     num_kv_blocks: int | None = Field(None, ge=1, description="Exact number of KV blocks (overrides budgets)")
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(16, ge=1, description="Tokens per KV block")
+    # precision
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on the CPU; on a GPU the checkpoint's half precision (or bfloat16)")
+    # caching
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    overlap_decode: bool = Field(True, description="Keep a greedy decode step in flight while the host reads the last")
-    overlap_sampled: bool = Field(
-        False, description="Also keep sampled (or penalised) decode steps in flight, drawing tokens on the device "
-        "(the same tokens). On for the Qwen2.5-Omni talker (its RTF for one request on an H200: 0.161 vs 0.184)")
-    decode_burst: int = Field(
-        1, ge=1, le=64, description="Decode steps per launch when every running sequence can take them (tokens "
-        "drawn on the device, one CUDA graph replay per burst; needs overlap_decode, and overlap_sampled for "
-        "sampled requests). Frees the host (and the interpreter other stages' threads share) from per-token work: "
-        "on for the Qwen2.5-Omni talker (32 requests on an H200: first audio 1.33 -> 0.73 s, RTF 0.486 -> 0.470)")
-    prompt_graph_tokens: int = Field(
-        512, ge=0, description="On CUDA, a step that prefills one sequence's prompt (or a chunk of it) of up to this "
-        "many tokens replays a CUDA graph captured for the next token bucket (16, 32, 64, 96, ...) instead of "
-        "launching its kernels one by one (~17 ms of host work for ~5 ms of GPU work for a 156-token prompt to a 7B "
-        "model on an H200; replayed, 7 ms). 0: prompts always run eagerly (less start-up time and graph memory)")
-    enforce_eager: bool = False
-    stream_priority: Literal["high", "normal"] | None = Field(
-        None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
-        "favours when stages share it; None: high for autoregressive stages (short steps a request waits on), "
-        "normal for the rest")
+    enforce_eager: bool = Field(False, description="No CUDA graphs (faster start-up, slower steps)")
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
-    options: dict[str, Any] = Field(default_factory=dict, description="Stage-specific knobs its family documents")
+    options: dict[str, Any] = Field(default_factory=dict, description="The stage's own settings, as its family "
+                                    "documents them (Qwen2.5-Omni token2wav: window sizes)")
+    advanced: dict[str, Any] = Field(default_factory=dict, description="Internal tuning with per-family defaults; "
+                                     "checked against the stage's kind when the pipeline is built")
 
     @field_validator("default_sampling_params")
     @classmethod
@@ -73,6 +78,17 @@ class StageConfig(_Strict):
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.default_sampling_params)
 
+    @property
+    def stream_priority(self) -> str | None:
+        """`advanced.stream_priority` (checked by `check_stages`), for the worker that owns the stage's stream."""
+        return self.advanced.get("stream_priority")
+
+
+class ConnectorAdvanced(_Strict):
+    inline_max_bytes: int = Field(
+        64 * 1024, ge=0, description="Payloads with at most this many tensor bytes ride on the control channel"
+    )
+
 
 class ConnectorConfig(_Strict):
     """How payloads cross one edge between stage workers in different processes."""
@@ -80,10 +96,33 @@ class ConnectorConfig(_Strict):
     type: Literal["inprocess", "shm", "tcp"] = Field(
         "shm", description="inprocess: inline backend only; shm: processes on one host; tcp: across hosts"
     )
-    inline_max_bytes: int = Field(
-        64 * 1024, ge=0, description="Payloads with at most this many tensor bytes ride on the control channel"
-    )
     options: dict[str, Any] = Field(default_factory=dict)
+    advanced: ConnectorAdvanced = Field(default_factory=ConnectorAdvanced)
+
+    @property
+    def inline_max_bytes(self) -> int:
+        return self.advanced.inline_max_bytes
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_section(model: type[M], values: dict[str, Any], where: str) -> M:
+    """`values` checked as `model` (a stage's `options` or `advanced` block at path `where`): an unknown key
+    fails naming the closest valid one, a bad value with the field's path."""
+    try:
+        return model(**values)
+    except ValidationError as exc:
+        lines = []
+        for e in exc.errors():
+            path = ".".join([where, *(str(p) for p in e["loc"])])
+            if e["type"] == "extra_forbidden":
+                valid = list(model.model_fields)
+                lines.append(f"{path}: unknown field{did_you_mean(str(e['loc'][-1]), valid)} "
+                             f"(valid: {', '.join(valid)})")
+            else:
+                lines.append(f"{path}: {e['msg']} (got {e.get('input')!r})")
+        raise ConfigError("invalid deploy config: " + "; ".join(lines)) from None
 
 
 def _default_backend() -> str:
@@ -113,11 +152,16 @@ class DeployConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     def stage(self, name: str) -> StageConfig:
-        """Settings for one stage: "*" defaults overlaid with the stage's own explicit fields."""
+        """Settings for one stage: "*" defaults overlaid with the stage's own explicit fields (its `options`,
+        `advanced` and `default_sampling_params` key by key)."""
         merged: dict[str, Any] = {}
         for key in ("*", name):
             if key in self.stages:
-                merged.update(self.stages[key].model_dump(exclude_unset=True))
+                for field, value in self.stages[key].model_dump(exclude_unset=True).items():
+                    if field in _KEYED and field in merged:
+                        merged[field] = {**merged[field], **value}
+                    else:
+                        merged[field] = value
         return StageConfig(**merged)
 
     def check_stage_names(self, valid: list[str]) -> None:
@@ -127,6 +171,24 @@ class DeployConfig(_Strict):
                     f"deploy config: stages.{name}: no such stage{did_you_mean(name, valid)} "
                     f"(this pipeline has: {', '.join(valid)})"
                 )
+
+    def check_stages(self, advanced: dict[str, type[Advanced]],
+                     options: dict[str, type[BaseModel]] | None = None) -> None:
+        """Every stage named exists (the keys of `advanced`), its `advanced` block fits its kind and its `options`
+        its family's model (stages missing from `options` take none)."""
+        self.check_stage_names(list(advanced))
+        for name, kind in advanced.items():
+            cfg = self.stage(name)
+            parse_section(kind, cfg.advanced, f"stages.{name}.advanced")
+            model = (options or {}).get(name)
+            if model is not None:
+                parse_section(model, cfg.options, f"stages.{name}.options")
+            elif cfg.options:
+                raise ConfigError(f"invalid deploy config: stages.{name}.options: this stage takes no options "
+                                  f"(got {', '.join(cfg.options)}); internal tuning goes under advanced")
+
+
+_KEYED = ("options", "advanced", "default_sampling_params")  # merged key by key over "*" and across layers
 
 
 def did_you_mean(name: str, valid: list[str]) -> str:
@@ -165,6 +227,8 @@ def _explain(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             owner = _model_at(loc)
             hint = did_you_mean(str(loc[-1]), list(owner.model_fields)) if owner else ""
+            if owner is StageConfig:
+                hint += " (internal tuning goes under the stage's advanced block: see docs/deploy.md)"
             lines.append(f"{path}: unknown field{hint}")
         else:
             got = e.get("input")
@@ -210,7 +274,10 @@ def load_deploy_config(
             raise ConfigError(f"deploy config {str(path)!r} is not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"deploy config {str(path)!r} must be a mapping at the top level")
-    merged = _deep_merge(base or {}, raw)
+    # Layers, each over the last: the family's defaults, the file, the overrides. A field a layer sets for every
+    # stage ("*") replaces what the layers below set for single stages; within one layer a stage's own wins.
+    merged = _deep_merge(_without_star_fields(base or {}, raw), raw)
+    merged = _without_star_fields(merged, apply_overrides({}, overrides or {}))
     merged = apply_overrides(merged, overrides or {})
     try:
         return DeployConfig(**merged)
@@ -225,4 +292,22 @@ def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             out[key] = _deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
+    return out
+
+
+def _without_star_fields(lower: dict[str, Any], upper: dict[str, Any]) -> dict[str, Any]:
+    """`lower` without the single-stage fields that `upper`'s "*" stage sets (keys of keyed fields one by one)."""
+    star = (upper.get("stages") or {}).get("*")
+    if not isinstance(star, dict) or not isinstance(lower.get("stages"), dict):
+        return lower
+    out = copy.deepcopy(lower)
+    for name, stage in out["stages"].items():
+        if name == "*" or not isinstance(stage, dict):
+            continue
+        for field, value in star.items():
+            if field in _KEYED and isinstance(value, dict) and isinstance(stage.get(field), dict):
+                for key in value:
+                    stage[field].pop(key, None)
+            else:
+                stage.pop(field, None)
     return out

@@ -65,13 +65,14 @@ def _serve(args: argparse.Namespace) -> int:
             args.model,
             deploy_config=args.deploy_config,
             overrides=overrides or None,
-            served_model_name=args.served_model_name,
+            served_model_name=args.served_model_name[0] if args.served_model_name else None,
         )
     except (OmniError, OSError) as exc:
         return _fail(exc)
     from omnistage.entrypoints.openai.server import run_server
 
-    run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+    run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
+               served_model_names=args.served_model_name)
     return 0
 
 
@@ -227,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key", default=envs.API_KEY.get(), help="require this Bearer key on /v1/*"
     )
-    serve.add_argument("--served-model-name", help="model name clients send (default: from the model path)")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="model name(s) clients may send; /v1/models lists them all and responses report the "
+                            "first when a request names none (default: from the model path)")
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--max-num-seqs", type=int)
     serve.add_argument("--max-num-batched-tokens", type=int)

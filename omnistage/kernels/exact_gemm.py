@@ -79,8 +79,7 @@ if triton is not None:
                       GELU: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
         """Y = X @ W.T (+ B) (then GELU's tanh form), one output tile a program, accumulated in float32 with
-        `tl.dot`'s `input_precision` PRECISION (benchmarks/dit_gemm.py sweeps it with other tiles and
-        precisions)."""
+        `tl.dot`'s `input_precision` PRECISION."""
         # consecutive programs take consecutive row tiles of one column tile: they share its weights in L2
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(M, BLOCK_M)

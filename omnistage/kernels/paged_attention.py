@@ -231,7 +231,7 @@ def decode_splits(batch: int, kv_heads: int, max_blocks: int, page_size: int, bl
     BLOCK_N chunks the block table can hold. 1 means the grid already fills the GPU: the single-pass
     kernel runs. Only shapes go in, so a CUDA graph's launch suits every replay. With 132 SMs and 4 KV
     heads that is 32, 16, 8, 4, 2 and 1 splits at batch 1, 8, 16, 32, 64 and 128, at or near the best
-    power-of-two count at 256 to 2048 keys (benchmarks/decode_attention.py --splits); once the grid fills
+    power-of-two count at 256 to 2048 keys (benchmarks/kernel_bench.py decode-attention --splits); once the grid fills
     the GPU, splitting only adds the reduction."""
     wanted = max(1, 4 * sm_count // (batch * kv_heads))
     return max(1, min(1 << (wanted.bit_length() - 1), MAX_SPLITS, triton.cdiv(max_blocks * page_size, block_n)))

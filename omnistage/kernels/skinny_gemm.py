@@ -180,7 +180,7 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_tiling(n: int, k: int, sms: int, gate_up: bool = False, elem_bytes: int = 2,
                   splittable: bool = True) -> Tiling:
-    """Tiles from a sweep (benchmarks/skinny_gemm.py --sweep, bf16, one row): 32 weight rows per
+    """Tiles from a sweep (benchmarks/kernel_bench.py skinny-gemm --sweep, bf16, one row): 32 weight rows per
     program (64 where 32 would leave a second, nearly empty wave), 32 KB of weights per pipeline stage (8 KB
     per matrix for gate-up's two, and for K < 2048, whose few steps pipeline better short), and K split in
     powers of two while the programs still fit one per SM with every slice at least two steps long. No more

@@ -26,8 +26,8 @@ def run_engine(path: str, burst: int, params: list[SamplingParams], max_model_le
     """Every prompt added at once, stepped to the end (so both runs batch identically): tokens, finish reasons."""
     family, info = detect_family(path)
     # eager: bursts with the engine's own columns (on a GPU too; the captured graphs have their own test below)
-    stage = {"max_model_len": max_model_len, "overlap_sampled": True, "decode_burst": burst, "dtype": "float32",
-             "enforce_eager": True}
+    stage = {"max_model_len": max_model_len, "advanced": {"overlap_sampled": True, "decode_burst": burst},
+             "dtype": "float32", "enforce_eager": True}
     engine = build_ar_engine(family.pipeline(info, load_deploy_config({"stages": {"lm": stage}})), "lm")
     try:
         for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
@@ -81,7 +81,7 @@ def test_stop_strings_and_text_through_the_server_path(tiny_qwen2: str) -> None:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = {}
     for burst in (1, 4):
-        with Omni(tiny_qwen2, {"stages": {"lm": {"max_model_len": 128, "decode_burst": burst}}}) as omni:
+        with Omni(tiny_qwen2, {"stages": {"lm": {"max_model_len": 128, "advanced": {"decode_burst": burst}}}}) as omni:
             free = omni.generate(["Once upon a time"], params)[0]
             stop = free.text[len(free.text) // 2 :][:3]
             cut = omni.generate(["Once upon a time"], params.with_overrides(stop=[stop]))[0]
@@ -104,7 +104,7 @@ def test_burst_graphs_draw_what_single_steps_draw(tiny_qwen2: str, num_prompts: 
     family, info = detect_family(tiny_qwen2)
     runs, waits, drains = {}, [], []
     for burst in (1, 4):
-        stage = {"max_model_len": 128, "overlap_sampled": True, "decode_burst": burst, "max_num_seqs": 64}
+        stage = {"max_model_len": 128, "advanced": {"overlap_sampled": True, "decode_burst": burst}, "max_num_seqs": 64}
         engine = build_ar_engine(family.pipeline(info, load_deploy_config({"stages": {"lm": stage}})), "lm")
         engine.runner.launch_burst = recording_queue_drains(
             recording_device_waits(engine.runner.launch_burst, waits), drains)
@@ -131,7 +131,7 @@ def test_an_abort_during_a_burst_frees_it_and_spares_the_others(tiny_qwen2: str)
     blocks and history slot; the others decode exactly what they decode alone in single steps."""
     family, info = detect_family(tiny_qwen2)
     expected, _, _ = run_engine(tiny_qwen2, 1, [SAMPLED.with_overrides(temperature=0.0)] * 3)
-    stage = {"max_model_len": 128, "overlap_sampled": True, "decode_burst": 4, "dtype": "float32",
+    stage = {"max_model_len": 128, "advanced": {"overlap_sampled": True, "decode_burst": 4}, "dtype": "float32",
              "enforce_eager": True}
     engine = build_ar_engine(family.pipeline(info, load_deploy_config({"stages": {"lm": stage}})), "lm")
     try:

@@ -48,3 +48,39 @@ def test_the_backend_decode_equals_transformers_decode(tiny_qwen2: str, tiny_qwe
             for _ in range(200):
                 window = rng.sample(ids, rng.randint(1, 8))
                 assert fast(window) == tok.decode(window, skip_special_tokens=skip)
+
+
+def test_ids_ending_mid_character_flush_at_finish(tiny_qwen2: str) -> None:
+    """Output ids that stop inside a multi-byte character: nothing of it is streamed while running (it may
+    complete), and at the finish the held bytes come out as decode spells them, so the streamed deltas and
+    the whole text both equal `tokenizer.decode(output_ids)`."""
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    for tail in ("é", "🎉", "東"):
+        char_ids = tok.encode(tail)
+        assert len(char_ids) > 1  # a byte-level split, else the test proves nothing
+        for cut in range(1, len(char_ids)):
+            ids = tok.encode("naïve caf") + char_ids[:cut]
+            expected = tok.decode(ids, skip_special_tokens=True)
+            assert expected.endswith("\ufffd")
+            det = IncrementalDetokenizer(tok, tok.encode("Prompt: "))
+            pieces = []
+            for t in ids:
+                det.add(t)
+                pieces.append(det.take(final=False))
+            assert "\ufffd" not in "".join(pieces)
+            pieces.append(det.take(final=True))
+            assert "".join(pieces) == det.text == expected, (tail, cut)
+            assert det.take(final=True) == ""  # a second finish adds nothing
+
+
+def test_flush_after_a_special_token_and_after_a_stop(tiny_qwen2: str) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    ids = tok.encode("ok ") + tok.encode("🎉")[:2] + [tok.all_special_ids[0]]
+    det = IncrementalDetokenizer(tok, [])
+    for t in ids:
+        det.add(t)
+    assert det.take(final=True) == tok.decode(ids, skip_special_tokens=True)
+    det = IncrementalDetokenizer(tok, [], stop=["ok"])  # a stop string ends the text: nothing held comes after
+    ids = tok.encode("say ok") + tok.encode("é")[:1]
+    assert any(det.add(t) for t in ids)  # stops at the first hit, as the engine does
+    assert det.take(final=True) == "say "

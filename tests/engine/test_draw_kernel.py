@@ -152,8 +152,8 @@ def test_an_engine_decodes_the_same_tokens_with_the_kernel(tiny_qwen2: str, monk
     # float32: a bfloat16 model's logits tie often, and at a top-k / top-p boundary the kernel keeps every tied
     # token where torch's sort keeps those it happens to order first
     deploy = {"worker_backend": "inline",  # the patched choice holds in this process only
-              "stages": {"lm": {"max_model_len": 128, "dtype": "float32", "overlap_decode": True,
-                                "overlap_sampled": True}}}
+              "stages": {"lm": {"max_model_len": 128, "dtype": "float32", "advanced": {
+                                "overlap_decode": True, "overlap_sampled": True}}}}
     runs, calls = {}, []
     kernel = fused_draw.draw
     monkeypatch.setattr(fused_draw, "draw", lambda *a, **k: calls.append(1) or kernel(*a, **k))

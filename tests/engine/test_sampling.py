@@ -138,8 +138,8 @@ def test_decoding_in_flight_samples_the_same_tokens(tiny_qwen2: str, greedy_row:
               sampled.with_overrides(seed=13)]
     runs = {}
     for overlap in (True, False):
-        deploy = {"stages": {"lm": {"max_model_len": 128, "dtype": "float32", "overlap_decode": overlap,
-                                    "overlap_sampled": overlap}}}
+        deploy = {"stages": {"lm": {"max_model_len": 128, "dtype": "float32", "advanced": {
+                                    "overlap_decode": overlap, "overlap_sampled": overlap}}}}
         with Omni(tiny_qwen2, deploy) as omni:
             first = omni.generate(PROMPTS[:3], params)
             second = omni.generate(PROMPTS[1:4], params)  # history slots reused by new requests
@@ -150,7 +150,7 @@ def test_decoding_in_flight_samples_the_same_tokens(tiny_qwen2: str, greedy_row:
     assert not {5, 6, 7} & {t for row in tokens for t in row}
     with Omni(tiny_qwen2, {"stages": {"lm": {"max_model_len": 128, "dtype": "float32"}}}) as omni:  # the defaults
         assert [o.token_ids for o in omni.generate(PROMPTS[:3], params)] == reference[:3]
-        assert omni.stats()["lm"]["num_overlapped_steps"] == 0  # sampled steps stay on the host unless asked
+        assert omni.stats()["lm"]["num_overlapped_steps"] > 0  # sampled steps overlap by default
         greedy = [o.token_ids for o in omni.generate(PROMPTS[:3], SamplingParams(max_tokens=20, temperature=0,
                                                                                  ignore_eos=True))]
     assert tokens[0] != greedy[0] and tokens[2] != greedy[2]  # it did sample
@@ -168,7 +168,7 @@ def test_launching_a_sampled_step_never_waits_for_the_device(tiny_qwen2: str) ->
     from omnistage.types import StageInput
 
     family, info = detect_family(tiny_qwen2)
-    deploy = {"stages": {"lm": {"max_model_len": 128, "overlap_sampled": True, "max_num_seqs": 64}}}
+    deploy = {"stages": {"lm": {"max_model_len": 128, "advanced": {"overlap_sampled": True}, "max_num_seqs": 64}}}
     engine = build_ar_engine(family.pipeline(info, load_deploy_config(deploy)), "lm", hidden_state_layers={"embed": 0})
     params = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.3,
                             frequency_penalty=0.2, bad_token_ids=[5], ignore_eos=True)

@@ -26,7 +26,8 @@ def hf(tiny_qwen2: str):
 @pytest.fixture(params=[1, 4], ids=["steps", "bursts"])
 def engine(tiny_qwen2: str, request):
     family, info = detect_family(tiny_qwen2)
-    stage = {"max_model_len": 128, "block_size": 4, "dtype": "float32", "decode_burst": request.param}  # as HF runs
+    stage = {"max_model_len": 128, "block_size": 4, "dtype": "float32",  # as HF runs
+             "advanced": {"decode_burst": request.param}}
     pipeline = family.pipeline(info, load_deploy_config({"stages": {"lm": stage}}))
     engine = build_ar_engine(pipeline, "lm")
     yield engine

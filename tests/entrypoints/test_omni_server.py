@@ -103,10 +103,43 @@ def test_per_stage_sampling_params(client: openai.OpenAI) -> None:
     )
     assert out.usage.completion_tokens == 4
     assert len(base64.b64decode(out.choices[0].message.audio.data)) == 6 * 2 * 240 * 2
-    for bad, message in (([{}, {}, {}], "give 1 .* or 2"), ([{"temprature": 0}], "did you mean 'temperature'")):
+    for bad, message in (([{}, {}, {}, {}], "4 entries but this model has 3 stages"),
+                         ([{"temprature": 0}], "did you mean 'temperature'"),
+                         ([{}, {"frobnicate": 1}], r"unknown field 'frobnicate'(?!; did)"),
+                         ([{"n": 2}], "set 'n' on the request")):
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(model="omni", messages=[{"role": "user", "content": "Hi"}],
                                            extra_body={"sampling_params_list": bad})
+
+
+def _vllm_params(**kw: object) -> dict:
+    """A vLLM SamplingParams as vLLM-Omni clients send it: every field, most at vLLM's defaults."""
+    params = {
+        "n": 1, "best_of": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": None, "stop": [], "stop_token_ids": [],
+        "bad_words": [], "ignore_eos": False, "max_tokens": 16, "min_tokens": 0, "logprobs": None,
+        "prompt_logprobs": None, "detokenize": True, "skip_special_tokens": True,
+        "spaces_between_special_tokens": True, "logits_processors": None, "include_stop_str_in_output": False,
+        "truncate_prompt_tokens": None, "output_kind": 0, "guided_decoding": None, "structured_outputs": None,
+        "logit_bias": None, "allowed_token_ids": None, "extra_args": None, "skip_clone": False,
+    }
+    return {**params, **kw}
+
+
+def test_vllm_omni_sampling_params_list(client: openai.OpenAI) -> None:
+    """One whole vLLM SamplingParams dict per stage (thinker, talker, token2wav), as vLLM-Omni sends them; the
+    token2wav entry's sampling fields are accepted (it reads its seed)."""
+    per_stage = [_vllm_params(temperature=0.0, max_tokens=5, ignore_eos=True, seed=7),
+                 _vllm_params(temperature=0.0, max_tokens=8, seed=7, detokenize=False),
+                 _vllm_params(seed=3)]
+    kwargs = dict(model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
+                  audio={"voice": "Ethan", "format": "pcm16"}, extra_body={"sampling_params_list": per_stage})
+    out = client.chat.completions.create(**kwargs)
+    assert out.usage.completion_tokens == 5 and out.choices[0].message.content
+    assert len(base64.b64decode(out.choices[0].message.audio.data)) == 8 * 2 * 240 * 2
+    # two entries: token2wav keeps its defaults
+    two = client.chat.completions.create(**{**kwargs, "extra_body": {"sampling_params_list": per_stage[:2]}})
+    assert two.choices[0].message.content == out.choices[0].message.content
 
 
 def test_image_part_and_errors(client: openai.OpenAI) -> None:

@@ -8,7 +8,9 @@ import json
 import httpx
 import openai
 import pytest
-from openai_helpers import API_KEY, CHAT, Served, assert_openai_error, assert_still_serving, sse_events
+from openai_helpers import API_KEY, CHAT, FakeEngine, Served, assert_openai_error, assert_still_serving, sse_events
+
+from omnistage.entrypoints.openai.server import BackgroundServer
 
 # ---------------------------------------------------------------- basics
 
@@ -247,3 +249,53 @@ def test_stop_token_ids_and_extensions_accepted(served: Served) -> None:
         },
     )
     assert len(out.choices[0].model_extra["token_ids"]) == out.usage.completion_tokens
+
+
+def test_literal_extra_body_is_honoured(served: Served) -> None:
+    """A client that is not the openai SDK sends extra_body as a JSON field: merged into the request, its
+    values winning over the body's; on both endpoints."""
+    with served.http() as http:
+        chat = http.post("/v1/chat/completions", json={"model": served.model, "messages": CHAT, "max_tokens": 6,
+                                                       "extra_body": {"max_tokens": 2, "detokenize": True}})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["completion_tokens"] == 2
+        cmpl = http.post("/v1/completions", json={"model": served.model, "prompt": "Once", "max_tokens": 6,
+                                                  "extra_body": {"sampling_params_list": [{"max_tokens": 3}]}})
+        assert cmpl.status_code == 200, cmpl.text
+        assert cmpl.json()["usage"]["completion_tokens"] == 3
+
+
+def test_vllm_sampling_fields_in_the_body(served: Served) -> None:
+    out = served.client().chat.completions.create(
+        model=served.model, messages=CHAT, max_tokens=3,
+        extra_body={"top_k": -1, "detokenize": True, "output_kind": 0, "truncate_prompt_tokens": None,
+                    "prompt_logprobs": None, "spaces_between_special_tokens": True, "best_of": 1, "bad_words": []},
+    )
+    assert out.usage.completion_tokens == 3
+    with served.http() as http:
+        err = assert_openai_error(http.post("/v1/chat/completions", json={"model": served.model, "messages": CHAT,
+                                                                          "max_tokns": 3}), 400)
+        assert "did you mean 'max_tokens'?" in err["message"] and err["param"] == "max_tokns"
+
+
+def test_served_model_names() -> None:
+    """Several names (vLLM's --served-model-name a b): all listed, any accepted and echoed, a missing model
+    means the first, another name is OpenAI's 404 model_not_found."""
+    with BackgroundServer(FakeEngine(), api_key=API_KEY, served_model_names=["alpha", "beta"]) as server:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as http:
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["alpha", "beta"]
+            for model, reported in (("beta", "beta"), (None, "alpha"), ("", "alpha")):
+                body = {"messages": CHAT, "max_tokens": 2, **({} if model is None else {"model": model})}
+                resp = http.post("/v1/chat/completions", json=body)
+                assert resp.status_code == 200 and resp.json()["model"] == reported, resp.text
+            err = assert_openai_error(http.post("/v1/completions", json={"model": "fake-model", "prompt": "x"}),
+                                      404, "'fake-model' does not exist", "'alpha', 'beta'")
+            assert (err["code"], err["type"], err["param"]) == ("model_not_found", "invalid_request_error", "model")
+
+
+def test_cli_served_model_name_takes_several() -> None:
+    from omnistage.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "some/model", "--served-model-name", "a", "b"])
+    assert args.served_model_name == ["a", "b"]
+    assert build_parser().parse_args(["serve", "some/model"]).served_model_name is None

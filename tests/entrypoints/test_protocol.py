@@ -148,3 +148,56 @@ def test_text_offsets_count_characters_split_over_byte_tokens(tiny_qwen2: str) -
 def test_null_fields_mean_unset() -> None:
     req = chat(n=None, stream=None, logprobs=None, max_tokens=None, stop=None, temperature=None, stream_options=None)
     assert (req.n, req.stream, req.logprobs, req.include_usage) == (1, False, False, False)
+
+
+def test_literal_extra_body_is_merged_and_wins() -> None:
+    """Clients other than the openai SDK send extra_body as a field: merged in as the SDK would, its value
+    winning a conflict; a nested one is merged too."""
+    body = chat(max_tokens=9, extra_body={"max_tokens": 2, "top_k": 5, "extra_body": {"seed": 1}})
+    assert (body.max_tokens, body.top_k, body.seed) == (2, 5, 1)
+    prompt = CompletionRequest.model_validate({"prompt": "x", "extra_body": {"sampling_params_list": [{}]}})
+    assert prompt.sampling_params_list == [{}]
+    with pytest.raises(ValidationError, match="extra_body must be a JSON object"):
+        chat(extra_body=[1])
+
+
+def test_vllm_fields_accepted_and_unknown_ones_suggested() -> None:
+    body = chat(detokenize=True, top_k=-1, prompt_logprobs=1, spaces_between_special_tokens=False, output_kind=0,
+                truncate_prompt_tokens=None, guided_decoding=None, best_of=1, bad_words=[], min_tokens=2, seed=3)
+    p = body.to_sampling_params(SamplingParams())
+    assert (p.top_k, p.min_tokens, p.seed) == (-1, 2, 3)
+    for bad, expected in (({"temprature": 1}, "did you mean 'temperature'?"),
+                          ({"frobnicate": 1}, "unknown field 'frobnicate'; remove it"),
+                          ({"best_of": 3}, "best_of is not supported"),
+                          ({"bad_words": ["x"]}, "bad_words is not supported")):
+        with pytest.raises(ValidationError) as info:
+            chat(**bad)
+        assert expected in validation_message(info.value.errors())[0]
+
+
+def test_sampling_params_list_maps_to_stages() -> None:
+    """One entry per stage in pipeline order (non-AR ones too); fewer: later stages keep their deploy
+    defaults; one entry: every AR stage; more than the stages: a 400 naming the count."""
+    from types import SimpleNamespace
+
+    from omnistage.entrypoints.openai.serving import stage_sampling_params
+    from omnistage.errors import RequestError
+
+    defaults = {"thinker": SamplingParams(temperature=0.5), "talker": SamplingParams(max_tokens=99),
+                "token2wav": SamplingParams()}
+    stages = [SimpleNamespace(name=n, kind=k) for n, k in (("thinker", "ar"), ("talker", "ar"), ("token2wav", "gen"))]
+    config = {name: SimpleNamespace(sampling_params=lambda p=p: p) for name, p in defaults.items()}
+    engine = SimpleNamespace(pipeline=SimpleNamespace(stages=stages, stage_config=config.__getitem__))
+    entries = [{"max_tokens": 4, "detokenize": True}, {"top_k": -1}, {"seed": 7, "top_p": 0.5}]
+    full = stage_sampling_params(engine, entries)
+    assert (full["thinker"].max_tokens, full["thinker"].temperature) == (4, 0.5)
+    assert (full["talker"].top_k, full["talker"].max_tokens) == (-1, 99)
+    assert full["token2wav"].seed == 7
+    assert set(stage_sampling_params(engine, [{}, {}])) == {"thinker", "talker"}
+    assert set(stage_sampling_params(engine, [{"seed": 1}])) == {"thinker", "talker"}
+    with pytest.raises(RequestError, match="4 entries but this model has 3 stages"):
+        stage_sampling_params(engine, [{}] * 4)
+    with pytest.raises(RequestError, match=r"sampling_params_list\[1\] \(talker\): temperature=-1"):
+        stage_sampling_params(engine, [{}, {"temperature": -1}])
+    with pytest.raises(RequestError, match="wrong type"):
+        stage_sampling_params(engine, [{"temperature": "hot"}])

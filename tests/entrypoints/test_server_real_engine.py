@@ -217,3 +217,23 @@ def test_text_parts_equal_plain_content(real_served: Served) -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]
     split = client.chat.completions.create(model=real_served.model, messages=parts, max_tokens=8, temperature=0)
     assert split.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_ending_mid_character_equals_decode(real_served: Served, hf: tuple[Any, Any], stream: bool) -> None:
+    """The tiny model's greedy reply to this prompt stops, at 9 tokens, inside a multi-byte character: the
+    held-back bytes come out at the finish as decode spells them (U+FFFD), whole and streamed."""
+    tokenizer, _ = hf
+    kwargs: dict[str, Any] = dict(model=real_served.model, prompt="Tell me about the river.", max_tokens=9,
+                                  temperature=0, extra_body={"return_token_ids": True})
+    client = real_served.client()
+    if stream:
+        chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+        ids = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids") or []]
+        text = "".join(c.choices[0].text for c in chunks)
+    else:
+        choice = client.completions.create(**kwargs).choices[0]
+        ids, text = choice.model_extra["token_ids"], choice.text
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(ids) == 9 and expected.endswith("\ufffd")  # else the prompt no longer tests the flush
+    assert text == expected

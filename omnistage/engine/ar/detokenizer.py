@@ -2,8 +2,10 @@
 
 Decoding a growing window (a few tokens of left context + the unread tail) keeps spacing right
 for tokenizers that merge across token boundaries, and waits while a multi-byte character is
-incomplete (the decoder yields U+FFFD). Text that could be the start of a stop string is held
-back until it is known not to be one, so a stop string never reaches a streaming client.
+incomplete (the decoder yields U+FFFD); at the finish what is still held is flushed, replacement
+characters and all, so the whole text equals the tokenizer's decode of the output ids. Text that
+could be the start of a stop string is held back until it is known not to be one, so a stop string
+never reaches a streaming client.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.stopped = False
         self._backend_decode = backend_decode(tokenizer, skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
@@ -74,10 +77,27 @@ class IncrementalDetokenizer:
             return False
         index, stop = min(hits)
         self.text = self.text[: index + (len(stop) if self.include_stop else 0)]
+        self.stopped = True
         return True
 
+    def _flush(self) -> None:
+        """The finish: bytes of an unfinished character held back while running come out as decode spells
+        them (U+FFFD), so the text equals `tokenizer.decode(output_ids)`."""
+        if self.stopped or self.read_offset == len(self.ids):
+            return
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        search_from = max(self.emitted, len(self.text) - self.holdback)
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._cut_at_stop(search_from)
+
     def take(self, final: bool) -> str:
-        """Text not yet handed out; while running, keeps back what may begin a stop string."""
+        """Text not yet handed out; while running, keeps back what may begin a stop string and the bytes of an
+        unfinished character; `final` hands out everything."""
+        if final:
+            self._flush()
         end = len(self.text) if final or not self.stop else max(self.emitted, len(self.text) - self.holdback)
         delta, self.emitted = self.text[self.emitted : end], end
         return delta

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+from pydantic import Field
 
+from omnistage.config.deploy import Advanced, StageConfig, parse_section
 from omnistage.engine.ar.block_manager import BlockManager
 from omnistage.engine.ar.detokenizer import IncrementalDetokenizer
 from omnistage.engine.ar.memory import plan_num_blocks
@@ -24,6 +26,21 @@ from omnistage.types import StageInput, StageOutput
 logger = logging.getLogger(__name__)
 
 
+class ARAdvanced(Advanced):
+    """An AR stage's `advanced:` block. Every setting leaves the tokens as they are; the defaults suit any model,
+    and a family may tune them for one of its stages (`AREngineConfig.from_stage`'s `tuned`)."""
+
+    overlap_decode: bool = Field(True, description="keep a greedy decode step in flight while the host reads the "
+                                 "last one's tokens")
+    overlap_sampled: bool = Field(True, description="... and sampled or penalised steps, their tokens drawn on the "
+                                  "device (the same tokens)")
+    decode_burst: int = Field(1, ge=1, le=64, description="decode steps per launch (one CUDA graph replay) while "
+                              "every running sequence can take them; frees the host of per-token work")
+    prompt_graph_tokens: int = Field(512, ge=0, description="on CUDA, a step prefilling one sequence's prompt (or "
+                                     "a chunk of it) of up to this many tokens replays a graph captured for its "
+                                     "token bucket; 0: prompts always run eagerly (less start-up time and memory)")
+
+
 @dataclass
 class AREngineConfig:
     max_model_len: int
@@ -38,13 +55,40 @@ class AREngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     overlap_decode: bool = True  # keep a greedy decode step in flight while the host handles the last
-    overlap_sampled: bool = False  # ... and sampled / penalised ones (tokens drawn on the device)
+    overlap_sampled: bool = True  # ... and sampled / penalised ones (tokens drawn on the device: the same tokens)
     decode_burst: int = 1  # decode steps per launch (one graph replay) when every sequence can take them
     prompt_graph_tokens: int = 512  # one sequence's prompt steps up to this many tokens replay CUDA graphs
     # Hidden states a request can ask for: output name -> layer (0 = embeddings, L = final).
     hidden_state_layers: dict[str, int] = field(default_factory=dict)
     default_params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
+
+    @classmethod
+    def from_stage(
+        cls,
+        cfg: StageConfig,
+        max_model_len: int,
+        hidden_state_layers: dict[str, int] | None = None,
+        tuned: dict[str, Any] | None = None,
+        where: str = "advanced",
+    ) -> AREngineConfig:
+        """The engine config of a stage: its deploy fields of the same names (sizing, caching, enforce_eager),
+        its sampling defaults, and its `advanced` block over the family's `tuned` defaults over ARAdvanced's.
+        `max_model_len` is the context the model allows (the family clips the deploy's to it)."""
+        advanced = parse_section(ARAdvanced, {**(tuned or {}), **cfg.advanced}, where)
+        names = {f.name for f in fields(cls)}
+        return cls(
+            max_model_len=max_model_len,
+            hidden_state_layers=dict(hidden_state_layers or {}),
+            default_params=cfg.sampling_params(),
+            **{name: getattr(cfg, name) for name in _FROM_STAGE},
+            **{name: value for name, value in advanced.model_dump().items() if name in names},
+        )
+
+
+# StageConfig fields that AREngineConfig takes as they are
+_FROM_STAGE = ("num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "enforce_eager", "block_size",
+               "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill")
 
 
 class AREngine:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from omnistage.config.deploy import StageConfig
 from omnistage.errors import OmniError
 from omnistage.types import StageInput, StageOutput
 
@@ -82,6 +83,11 @@ class GenerationEngine:
         self.launch = getattr(model, "launch", None)
         self.launched: collections.deque[_Launched] = collections.deque()  # outputs not handed out yet, in order
         self.num_steps = 0
+
+    @classmethod
+    def from_stage(cls, name: str, model: GenerationModel, cfg: StageConfig) -> GenerationEngine:
+        """The engine of stage `name` as its deploy config sizes it (the model takes its own settings)."""
+        return cls(name, model, cfg.max_num_seqs)
 
     @property
     def device(self) -> torch.device | None:

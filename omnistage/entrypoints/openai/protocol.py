@@ -3,15 +3,48 @@ naming the field) and the response models the server renders. Nothing here knows
 
 from __future__ import annotations
 
+import difflib
+import logging
 import time
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from omnistage.sampling_params import SamplingParams
+from omnistage.sampling_params import VLLM_IGNORED_FIELDS, SamplingParams
 
 MAX_N = 16
+log = logging.getLogger("omnistage.server")
+
+
+def close_match(name: str, vocabulary: Any) -> str | None:
+    """The one known name `name` is likely a typo of, if any (strict, so nonsense gets no suggestion)."""
+    close = difflib.get_close_matches(name, sorted(vocabulary), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def merge_extra_body(data: Any) -> Any:
+    """A literal `extra_body` object (sent by clients other than the openai SDK) merged into the body, as the
+    SDK does; on a conflict the extra_body value wins."""
+    if not isinstance(data, dict) or "extra_body" not in data:
+        return data
+    data = dict(data)
+    while "extra_body" in data:
+        extra = data.pop("extra_body")
+        if extra is None:
+            continue
+        if not isinstance(extra, dict):
+            raise ValueError("extra_body must be a JSON object (its fields are merged into the request)")
+        data.update(extra)
+    return data
+
+
+def drop_ignored(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """`data` without vLLM's accepted-and-ignored fields (each logged at debug level)."""
+    ignored = sorted(VLLM_IGNORED_FIELDS & data.keys())
+    if ignored:
+        log.debug("%s: ignoring vLLM fields %s (accepted, not implemented)", where, ignored)
+    return {k: v for k, v in data.items() if k not in VLLM_IGNORED_FIELDS}
 
 
 def _omit_none(value: Any) -> bool:
@@ -139,7 +172,20 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    bad_words: list[str] | None = None  # vLLM's; refused when non-empty
     return_token_ids: bool = False  # extension: each choice also carries its generated token ids
+    # omnistage / vLLM-Omni extension: sampling params per stage, in pipeline order (e.g. [thinker, talker,
+    # token2wav]); fewer entries leave the later stages at their defaults, one entry applies to every AR stage.
+    # Fields as in SamplingParams, or a whole vLLM SamplingParams dict.
+    sampling_params_list: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _extra_body_and_vllm_fields(cls, data: Any) -> Any:
+        """A literal extra_body is merged in; vLLM's SamplingParams fields that omnistage does not implement
+        are accepted and dropped."""
+        data = merge_extra_body(data)
+        return drop_ignored(data, cls.__name__) if isinstance(data, dict) else data
 
     # check_fields=False: `logprobs` is declared by the subclasses (a bool in chat, an int in completions).
     @field_validator("n", "stream", "return_token_ids", "logprobs", mode="before", check_fields=False)
@@ -154,6 +200,20 @@ class _SamplingRequest(_Strict):
         if value:
             raise ValueError("logit_bias is not supported; remove it")
         return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _no_bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if value:
+            raise ValueError("bad_words is not supported; remove it")
+        return value
+
+    @model_validator(mode="after")
+    def _best_of(self) -> _SamplingRequest:
+        best_of = getattr(self, "best_of", None)
+        if best_of is not None and best_of != self.n:
+            raise ValueError("best_of is not supported (send n instead)")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -188,9 +248,7 @@ def seeded_copies(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
-    # omnistage extension: sampling params per AR stage, in pipeline order (e.g. [thinker, talker]);
-    # a one-element list applies to every AR stage. Fields as in SamplingParams.
-    sampling_params_list: list[dict[str, Any]] | None = None
+    best_of: int | None = None  # vLLM's; only best_of == n
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -288,8 +346,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("echo=true is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (send n instead)")
         return self
 
     def _requested_max_tokens(self) -> int | None:
@@ -306,6 +362,11 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p[0], int):
             return [{"prompt_token_ids": list(p)}]
         return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+
+
+# Every name a request body may carry (for "did you mean" suggestions).
+REQUEST_FIELDS = frozenset({*ChatCompletionRequest.model_fields, *CompletionRequest.model_fields,
+                            *VLLM_IGNORED_FIELDS, "extra_body"})
 
 
 # ---------------------------------------------------------------- responses

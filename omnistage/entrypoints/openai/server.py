@@ -29,11 +29,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omnistage.config.deploy import LimitsConfig
 from omnistage.entrypoints.openai.metrics import router as metrics_router
 from omnistage.entrypoints.openai.protocol import (
+    REQUEST_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
+    close_match,
 )
 from omnistage.entrypoints.openai.serving import (
     Fanout,
@@ -121,7 +123,8 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
         elif kind == "missing":
             items.append((path, f"'{path}' is required"))
         elif kind == "extra_forbidden":
-            items.append((path, f"unknown field '{path}'; remove it"))
+            close = close_match(path, REQUEST_FIELDS) if path.isidentifier() else None
+            items.append((path, f"unknown field '{path}'; " + (f"did you mean '{close}'?" if close else "remove it")))
         else:
             got = err.get("input")
             shown = "" if isinstance(got, dict | list) else f" (got {_short(got)})"
@@ -297,12 +300,11 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     engine = request.app.state.engine
-    card = ModelCard(
-        id=engine.served_model_name,
-        max_model_len=engine.max_model_len,
-        output_modalities=list(engine.output_modalities),
-    )
-    return ModelList(data=[card])
+    cards = [
+        ModelCard(id=name, max_model_len=engine.max_model_len, output_modalities=list(engine.output_modalities))
+        for name in request.app.state.model_names
+    ]
+    return ModelList(data=cards)
 
 
 async def _complete(
@@ -316,7 +318,7 @@ async def _complete(
     """Both endpoints: start the generations, then stream or collect them, aborting if the client leaves."""
     engine: AsyncOmni = request.app.state.engine
     texts: TokenTexts = request.app.state.token_texts
-    model = check_model(engine, body.model)
+    model = check_model(request.app.state.model_names, body.model)
     rid = f"{id_prefix}-{uuid.uuid4().hex}"
     fan = Fanout(engine, to_requests(engine, body, rid))
     try:
@@ -340,9 +342,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _complete(request, body, "cmpl", completion_requests, completion_chunks, render_completion)
 
 
-def build_app(engine: AsyncOmni, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncOmni, api_key: str | None = None,
+              served_model_names: Sequence[str] | None = None) -> FastAPI:
+    """`served_model_names`: the names clients may send as `model` (vLLM's --served-model-name), the first
+    one reported when a request names none; default: the engine's `served_model_name`."""
     app = FastAPI(title="omnistage", description="OpenAI-compatible API for any-to-any models")
     app.state.engine = engine
+    app.state.model_names = list(dict.fromkeys(served_model_names or [engine.served_model_name]))
     app.state.token_texts = TokenTexts(getattr(engine, "tokenizer", None))
     _install_error_handlers(app)
     if api_key:
@@ -363,10 +369,12 @@ def run_server(
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
+    served_model_names: Sequence[str] | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM), then shut the engine down."""
     try:
-        uvicorn.run(build_app(engine, api_key), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        app = build_app(engine, api_key, served_model_names)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
 
@@ -382,13 +390,15 @@ class BackgroundServer:
         port: int = 0,
         api_key: str | None = None,
         log_level: str = "warning",
+        served_model_names: Sequence[str] | None = None,
     ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(
-            build_app(engine, api_key), log_level=log_level, lifespan="off", timeout_graceful_shutdown=3
+            build_app(engine, api_key, served_model_names), log_level=log_level, lifespan="off",
+            timeout_graceful_shutdown=3,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(

@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import codecs
-import difflib
 import itertools
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -42,11 +41,13 @@ from omnistage.entrypoints.openai.protocol import (
     TokenLogprobEntry,
     TopLogprob,
     Usage,
+    close_match,
+    drop_ignored,
     seeded_copies,
 )
 from omnistage.errors import RequestError, StageError
 from omnistage.media import encode_audio
-from omnistage.sampling_params import SamplingParams
+from omnistage.sampling_params import VLLM_CHECKED_FIELDS, VLLM_IGNORED_FIELDS, SamplingParams
 from omnistage.types import OmniOutput, OmniRequest, TokenLogprob
 
 if TYPE_CHECKING:
@@ -63,11 +64,15 @@ class ModelNotFound(RequestError):
 # ---------------------------------------------------------------- request -> OmniRequests
 
 
-def check_model(engine: AsyncOmni, model: str | None) -> str:
-    served = engine.served_model_name
-    if model is not None and model != served:
-        raise ModelNotFound(f"model '{model}' does not exist; this server serves '{served}'", param="model")
-    return served
+def check_model(names: Sequence[str], model: str | None) -> str:
+    """The name the response reports: the one asked for, or the first served name when none is given (a
+    missing or empty `model` is accepted, as vLLM does); any other name is OpenAI's 404 model_not_found."""
+    if not model:
+        return names[0]
+    if model not in names:
+        served = ", ".join(repr(n) for n in names)
+        raise ModelNotFound(f"model '{model}' does not exist; this server serves {served}", param="model")
+    return model
 
 
 def output_modalities(engine: AsyncOmni, requested: list[str] | None) -> tuple[str, ...]:
@@ -97,42 +102,96 @@ def _fan_out(rid: str, inputs: list[dict[str, Any]], params: list[SamplingParams
     ]
 
 
+def _apply_stage_params(engine: AsyncOmni, body: ChatCompletionRequest | CompletionRequest,
+                        requests: list[OmniRequest]) -> list[OmniRequest]:
+    """`sampling_params_list` over each request's params; a seeded entry gets seed, seed+1, ... per choice."""
+    if not body.sampling_params_list:
+        return requests
+    per_stage = stage_sampling_params(engine, body.sampling_params_list)
+    for i, request in enumerate(requests):
+        choice = i % body.n
+        request.stage_params.update({
+            stage: replace(p, seed=p.seed + choice) if choice and p.seed is not None else p
+            for stage, p in per_stage.items()
+        })
+    return requests
+
+
 def chat_requests(engine: AsyncOmni, body: ChatCompletionRequest, rid: str) -> list[OmniRequest]:
     params = _choice_params(engine, body)
     modalities = output_modalities(engine, body.modalities)
     options = {"voice": body.audio.voice, "audio_format": body.audio.format} if body.audio else {}
     requests = _fan_out(rid, [{"messages": body.message_dicts()}], params, output_modalities=modalities,
                         options=options)
-    if body.sampling_params_list is not None:
-        per_stage = stage_sampling_params(engine, body.sampling_params_list)
-        for request in requests:
-            request.stage_params.update(per_stage)
-    return requests
+    return _apply_stage_params(engine, body, requests)
 
 
-def stage_sampling_params(engine: AsyncOmni, entries: list[dict[str, Any]]) -> dict[str, SamplingParams]:
-    """`sampling_params_list` -> params by AR stage name (one entry: the same for every AR stage)."""
-    stages = engine.ar_stages
-    if len(entries) not in (1, len(stages)):
-        raise RequestError(f"sampling_params_list has {len(entries)} entries; give 1 (for every stage) or "
-                           f"{len(stages)} (for {', '.join(stages)})", "sampling_params_list")
-    valid = {f.name for f in fields(SamplingParams)}
-    out = {}
-    for i, stage in enumerate(stages):
-        entry = entries[0 if len(entries) == 1 else i]
-        unknown = sorted(set(entry) - valid)
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], sorted(valid), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise RequestError(f"sampling_params_list[{i}]: unknown field {unknown[0]!r}{hint}", "sampling_params_list")
-        out[stage] = SamplingParams(**entry)
-    return out
+def pipeline_stages(engine: AsyncOmni) -> list[tuple[str, bool]]:
+    """(stage name, is autoregressive) in pipeline order."""
+    pipeline = getattr(engine, "pipeline", None)
+    if pipeline is not None:
+        return [(s.name, s.kind == "ar") for s in pipeline.stages]
+    return [(name, True) for name in getattr(engine, "ar_stages", None) or ["*"]]
+
+
+def _stage_defaults(engine: AsyncOmni, stage: str) -> SamplingParams:
+    pipeline = getattr(engine, "pipeline", None)
+    if pipeline is None or stage == "*":
+        return engine.default_sampling_params()
+    return pipeline.stage_config(stage).sampling_params()
+
+
+_ENTRY_FIELDS = frozenset({f.name for f in fields(SamplingParams)})
+_ENTRY_VOCABULARY = _ENTRY_FIELDS | VLLM_IGNORED_FIELDS | VLLM_CHECKED_FIELDS
+
+
+def entry_params(entry: Any, defaults: SamplingParams, where: str) -> SamplingParams:
+    """One `sampling_params_list` entry (omnistage's SamplingParams fields or a whole vLLM SamplingParams dict)
+    over the stage's defaults; a null value keeps the default."""
+    if not isinstance(entry, dict):
+        raise RequestError(f"{where} must be an object of sampling fields", "sampling_params_list")
+    unknown = sorted(set(entry) - _ENTRY_VOCABULARY)
+    if unknown:
+        close = close_match(unknown[0], _ENTRY_VOCABULARY - {n for n in _ENTRY_VOCABULARY if n.startswith("_")})
+        hint = f"; did you mean {close!r}?" if close else ""
+        raise RequestError(f"{where}: unknown field {unknown[0]!r}{hint}", "sampling_params_list")
+    entry = drop_ignored(entry, where)
+    if entry.pop("n", None) not in (None, 1) or entry.pop("best_of", None) not in (None, 1):
+        raise RequestError(f"{where}: n and best_of are per request, not per stage; set 'n' on the request",
+                           "sampling_params_list")
+    for name in ("logit_bias", "bad_words"):
+        if entry.pop(name, None):
+            raise RequestError(f"{where}.{name} is not supported; remove it", "sampling_params_list")
+    try:
+        return defaults.with_overrides(**entry)
+    except RequestError as exc:
+        raise RequestError(f"{where}: {exc.message}", "sampling_params_list") from None
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"{where}: a value has the wrong type ({exc})", "sampling_params_list") from None
+
+
+def stage_sampling_params(engine: AsyncOmni, entries: list[Any]) -> dict[str, SamplingParams]:
+    """`sampling_params_list` -> params by stage name: one entry per stage in pipeline order (an entry for a
+    non-AR stage, e.g. token2wav, carries at least its seed); fewer leave the later stages at their deploy
+    defaults; a single entry applies to every AR stage."""
+    stages = pipeline_stages(engine)
+    names = ", ".join(name for name, _ in stages)
+    if len(entries) > len(stages):
+        raise RequestError(f"sampling_params_list has {len(entries)} entries but this model has {len(stages)} "
+                           f"stages ({names}); give at most {len(stages)}, one per stage in pipeline order",
+                           "sampling_params_list")
+    if len(entries) == 1:
+        targets = [name for name, ar in stages if ar] or [stages[0][0]]
+        return {name: entry_params(entries[0], _stage_defaults(engine, name), "sampling_params_list[0]")
+                for name in targets}
+    return {name: entry_params(entry, _stage_defaults(engine, name), f"sampling_params_list[{i}] ({name})")
+            for i, ((name, _), entry) in enumerate(zip(stages, entries, strict=False))}
 
 
 def completion_requests(engine: AsyncOmni, body: CompletionRequest, rid: str) -> list[OmniRequest]:
     params = _choice_params(engine, body)
     output_modalities(engine, ["text"])  # completions answer in text: refuse a model that has none
-    return _fan_out(rid, body.prompt_inputs(), params)
+    return _apply_stage_params(engine, body, _fan_out(rid, body.prompt_inputs(), params))
 
 
 # ---------------------------------------------------------------- running generations

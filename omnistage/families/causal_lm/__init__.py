@@ -8,7 +8,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from omnistage.config.deploy import DeployConfig, StageConfig
 from omnistage.devices import resolve_device
-from omnistage.engine.ar.engine import AREngine, AREngineConfig
+from omnistage.engine.ar.engine import ARAdvanced, AREngine, AREngineConfig
 from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Pipeline, StageSpec
@@ -74,26 +74,12 @@ def ar_engine(
     tokenizer: Any,
     eos_token_ids: tuple[int, ...],
     hidden_state_layers: dict[str, int] | None = None,
+    tuned: dict[str, Any] | None = None,
 ) -> AREngine:
-    """An AR engine for a loaded model, sized and tuned by the stage's deploy config."""
-    engine_cfg = AREngineConfig(
-        max_model_len=context_length(config, cfg.max_model_len),
-        num_kv_blocks=cfg.num_kv_blocks,
-        kv_cache_memory_gb=cfg.kv_cache_memory_gb,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        enforce_eager=cfg.enforce_eager,
-        block_size=cfg.block_size,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        enable_chunked_prefill=cfg.enable_chunked_prefill,
-        overlap_decode=cfg.overlap_decode,
-        overlap_sampled=cfg.overlap_sampled,
-        decode_burst=cfg.decode_burst,
-        prompt_graph_tokens=cfg.prompt_graph_tokens,
-        hidden_state_layers=hidden_state_layers or {},
-        default_params=cfg.sampling_params(),
-    )
+    """An AR engine for a loaded model, sized and tuned by the stage's deploy config; `tuned`: the family's
+    defaults for the stage's `advanced` block."""
+    engine_cfg = AREngineConfig.from_stage(cfg, context_length(config, cfg.max_model_len), hidden_state_layers,
+                                           tuned, where=f"stages.{stage}.advanced")
     return AREngine(stage, model, engine_cfg, tokenizer, eos_token_ids)
 
 
@@ -119,7 +105,7 @@ class CausalLMFamily:
         return {}
 
     def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> CausalLMPipeline:
-        deploy.check_stage_names(["lm"])
+        deploy.check_stages({"lm": ARAdvanced})
         pipeline = CausalLMPipeline(info.path, deploy, [StageSpec("lm", "ar", outputs=("text",))])
         pipeline.tokenizer = hf.load_tokenizer(info.path)
         pipeline.max_model_len = context_length(

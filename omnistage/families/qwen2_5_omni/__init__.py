@@ -5,17 +5,20 @@ Requests for text only never touch the talker or token2wav. See models.py for wh
 
 from __future__ import annotations
 
-import difflib
 import functools
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
 
 import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
 
-from omnistage.config.deploy import DeployConfig
+from omnistage.config.deploy import Advanced, DeployConfig, parse_section
 from omnistage.devices import resolve_device
-from omnistage.engine.ar.engine import AREngine
+from omnistage.engine.ar.engine import ARAdvanced, AREngine
 from omnistage.engine.generation.engine import GenerationEngine
-from omnistage.errors import ConfigError, RequestError
+from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
 from omnistage.families.causal_lm import TextPipeline, ar_engine
@@ -64,8 +67,9 @@ class OmniPipeline(TextPipeline):
         tensors["use_audio_in_video"] = torch.tensor(use_audio_in_video)
         inp = StageInput(request.request_id, ids, params=self.entry_params(request), tensors=tensors,
                          return_hidden_states=speech)
-        request.pipeline_state["thinker_input"] = inp  # the talker's handoff needs the prompt and media layout
-        request.pipeline_state["voice"] = voice
+        t2w = request.stage_params.get("token2wav")
+        seed = t2w.seed if t2w is not None and t2w.seed is not None else request.options.get("seed", 0)
+        request.pipeline_state[HANDOFF] = OmniHandoff(inp, voice, seed)
         return inp
 
     def _split_media(
@@ -142,14 +146,17 @@ class OmniPipeline(TextPipeline):
             thinker = self.config.thinker_config
             media_ids = [thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id]
             model = models.TalkerLM(talker, dict(zip(text_ids, table, strict=True)), media_ids)
-            return ar_engine(stage, cfg, model, talker_cfg, None, tuple(sorted(self.codec_stops)))
+            return ar_engine(stage, cfg, model, talker_cfg, None, tuple(sorted(self.codec_stops)),
+                             tuned=TALKER_TUNED)
         if stage == "token2wav":
-            dit_dtype = torch.float32 if cfg.dtype == "auto" else getattr(torch, cfg.dtype)  # fp32 unless asked
-            t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev, dit_dtype)
+            t2w = models.load_token2wav(self.model_path, self.config.token2wav_config, dev, dit_dtype(cfg.dtype, dev))
+            options = parse_section(Token2WavOptions, cfg.options, "stages.token2wav.options")
+            advanced = parse_section(Token2WavAdvanced, cfg.advanced, "stages.token2wav.advanced")
             decoder = models.Token2Wav(t2w, models.load_voices(self.model_path), dev, use_graphs=not cfg.enforce_eager,
-                                       max_batch=cfg.max_num_seqs, **token2wav_options(cfg.options))
+                                       max_batch=cfg.max_num_seqs, **options.model_dump(),
+                                       **advanced.model_dump(exclude={"stream_priority"}))
             decoder.warm_up()
-            return GenerationEngine(stage, decoder, cfg.max_num_seqs)
+            return GenerationEngine.from_stage(stage, decoder, cfg)
         raise KeyError(stage)
 
     def to_output(self, stage: str, out: StageOutput) -> OmniOutput:
@@ -180,43 +187,58 @@ class OmniPipeline(TextPipeline):
                 *(i for i in range(decodable + 1, cfg.vocab_size) if i not in self.codec_stops))
 
 
+HANDOFF = "qwen2_5_omni"  # the key of a request's OmniHandoff in its pipeline_state
+
+
+@dataclass
+class OmniHandoff:
+    """What one request's edges carry between stages: set when its thinker input is prepared, then the thinker's
+    reply states gathered until the talker opens (the talker's prompt ends with the first reply token's states)."""
+
+    thinker_input: StageInput  # the talker's prompt needs the thinker's prompt ids and media layout
+    voice: str | None
+    token2wav_seed: int
+    embed: list[torch.Tensor] = field(default_factory=list)  # thinker rows not yet sent to the talker
+    last: list[torch.Tensor] = field(default_factory=list)
+    first_token: int | None = None  # the thinker's first reply token
+    talker_open: bool = False  # the talker has its prompt: later rows stream to it one step at a time
+
+
 def thinker_to_talker(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:
     """The thinker's reply, as states per computed token, becomes the talker's prompt and then its added
     rows. Streamed (`async_chunk`), the talker opens once the first reply token's states exist and gets
     each later row as the thinker computes it; otherwise `out` is the whole reply, at its end."""
-    feed = request.pipeline_state.get("talker_feed")
-    if feed is not None and feed["open"] and not out.finished:  # a row per request per thinker step: lean
+    state: OmniHandoff = request.pipeline_state[HANDOFF]
+    if state.talker_open and not out.finished:  # a row per request per thinker step: lean
         if not out.hidden_states:
             return None
         tensors = {"thinker_embed": out.hidden_states["embed"], "thinker_last": out.hidden_states["last"]}
         return StageInput(out.request_id, [], tensors=tensors, final=False)
-    if feed is None:
-        feed = request.pipeline_state["talker_feed"] = {"embed": [], "last": [], "first_token": None, "open": False}
-    thinker_inp: StageInput = request.pipeline_state["thinker_input"]
+    thinker_inp = state.thinker_input
     if out.hidden_states:
-        feed["embed"].append(out.hidden_states["embed"])
-        feed["last"].append(out.hidden_states["last"])
-    if feed["first_token"] is None and out.token_ids:
-        feed["first_token"] = out.token_ids[0]
-    rows = sum(len(x) for x in feed["last"])
+        state.embed.append(out.hidden_states["embed"])
+        state.last.append(out.hidden_states["last"])
+    if state.first_token is None and out.token_ids:
+        state.first_token = out.token_ids[0]
+    rows = sum(len(x) for x in state.last)
     prompt_len = len(thinker_inp.token_ids)
-    if not feed["open"] and rows <= prompt_len and not out.finished:
+    if not state.talker_open and rows <= prompt_len and not out.finished:
         return None  # the talker's prompt ends with the first reply token's states
     cfg, params = pipeline.config.talker_config, None  # (opening the talker, or the reply's end)
     tensors = {}
     if rows:  # no kernels here (a request per output): the talker sums a step's rows at once
-        tensors["thinker_embed"], tensors["thinker_last"] = _joined(feed["embed"]), _joined(feed["last"])
-    feed["embed"], feed["last"] = [], []
-    if not feed["open"] or out.finished:  # the talker reads the text ids when it opens and at the reply's end
+        tensors["thinker_embed"], tensors["thinker_last"] = _joined(state.embed), _joined(state.last)
+    state.embed, state.last = [], []
+    if not state.talker_open or out.finished:  # the talker reads the text ids when it opens and at the reply's end
         tensors["text_eos"] = torch.tensor(cfg.tts_text_end_token_id)
         tensors["text_pad"] = torch.tensor(cfg.tts_text_pad_token_id)
-    if not feed["open"]:
-        feed["open"] = True
+    if not state.talker_open:
+        state.talker_open = True
         params = pipeline.talker_params(request)  # later chunks only add rows: the talker keeps the first's
         tensors.update({
             "prompt_ids": torch.tensor(thinker_inp.token_ids),
-            "voice_bos": torch.tensor(pipeline.voice_bos[request.pipeline_state["voice"]]),
-            "first_token": torch.tensor(feed["first_token"]),
+            "voice_bos": torch.tensor(pipeline.voice_bos[state.voice]),
+            "first_token": torch.tensor(state.first_token),
             **{k: thinker_inp.tensors[k] for k in _MEDIA_TENSORS if k in thinker_inp.tensors},
         })
         if "feature_attention_mask" in thinker_inp.tensors:
@@ -230,64 +252,73 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def talker_to_token2wav(pipeline: OmniPipeline, request: OmniRequest, out: StageOutput) -> StageInput | None:
     """Codes (without the talker's stop codes) for token2wav: all at the end, or as they come when the
-    token2wav stage decodes in windows."""
+    token2wav stage decodes in windows. The noise seed: the token2wav entry of the request's sampling params
+    (its `seed`), else the request's `seed` option, else 0 (fixed when the request was prepared)."""
     stop = pipeline.codec_stops  # runs once per code per request: no config attribute reads here
     codes = [c for c in out.token_ids if c not in stop]
     if not codes and not out.finished:
         return None
-    params = {"voice": request.pipeline_state["voice"], "seed": request.options.get("seed", 0)}
+    state: OmniHandoff = request.pipeline_state[HANDOFF]
+    params = {"voice": state.voice, "seed": state.token2wav_seed}
     return StageInput(out.request_id, codes, params=params, final=out.finished)
 
 
-TOKEN2WAV_OPTIONS = {  # name: (what it does, the smallest value; None: a boolean; a tuple: the choices)
-    "window": ("codes per streamed audio chunk; 0 decodes the whole utterance at the end", 0),
-    "first_window": ("codes in the first chunk (smaller: audio starts sooner); default: 24, or window if smaller", 1),
-    "max_window": ("later windows double from window up to this many codes (less context recomputed per code, "
-                   "bigger chunks); default: window", 1),
-    "kept_context": ("true (default): each window's look-back layers read the keys and values the previous "
-                     "window's solve kept, instead of solving left context again (windows must be whole DiT "
-                     "blocks, `left` unset); false: solve `left` codes of context with each window", None),
-    "left": ("codes of left context each window is solved with when kept_context is off; default: what the DiT "
-             "attends back to", 0),
-    "right": ("codes of look-ahead each window waits for; default: what the DiT attends ahead to", 0),
-    "vocoder_context": ("mel frames of context on each side of a window for the vocoder", 0),
-    "num_steps": ("flow-matching ODE steps", 2),
-    "tf32": ("true: the float32 DiT's matmuls run on TensorFloat-32 tensor cores (faster, slightly less exact; "
-             "torch's process-wide switch, held while a solve launches: a float32 thinker or talker inline beside "
-             "it may get TF32 matmuls then too)", None),
-    "cublas_sm_carveout": ("SMs the DiT's cuBLAS matmuls leave free for the other stages' kernels", 0),
-    "carveout_max_batch": ("the largest batch of windows cublas_sm_carveout applies to (default: all)", 1),
-    "overlap_vocoder_max_batch": ("on CUDA, the vocoder of a batch of up to this many windows runs on a stream "
-                                  "of its own, so a request's next window is solved while the last one is "
-                                  "vocoded; 0: never (default: 2, or 0 with the DiT in strict float32, whose "
-                                  "long solves starve the vocoder beside them)", 0),
-    "widen_vocoder_spans": ("true (default): a window whose vocoder span has no CUDA graph (a request's last, "
-                            "mostly) is vocoded at a captured length, with more of the request's earlier mel on "
-                            "its left, not eagerly at a new length (cuDNN plans each new length for ~0.2-0.9 s, "
-                            "holding the stage)", None),
-    "vocoder_dtype": ("the vocoder's convolutions: float32 (default) or bfloat16 (CUDA: tensor cores, less exact)",
-                      models.VOCODER_DTYPES),
-}
+class Token2WavOptions(BaseModel):
+    """`stages.token2wav.options`: how audio is cut into chunks while codes still arrive."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    window: int = Field(0, ge=0, description="codes per streamed audio chunk; 0 decodes the whole utterance at "
+                        "the end")
+    first_window: int | None = Field(None, ge=1, description="codes in the first chunk (smaller: audio starts "
+                                     "sooner); None: 24, or window if smaller")
+    max_window: int | None = Field(None, ge=1, description="later windows double from window up to this many "
+                                   "codes (less context recomputed per code, bigger chunks); None: window")
+    vocoder_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="the vocoder's convolutions: float32, or bfloat16 (CUDA: tensor cores, less exact)")
 
 
-def token2wav_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The deploy config's token2wav options, checked: known names, integers in range, booleans."""
-    for key, value in options.items():
-        where = f"stages.token2wav.options.{key}"
-        if key not in TOKEN2WAV_OPTIONS:
-            close = difflib.get_close_matches(key, list(TOKEN2WAV_OPTIONS), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{where}: unknown option{hint} (valid: {', '.join(TOKEN2WAV_OPTIONS)})")
-        what, least = TOKEN2WAV_OPTIONS[key]
-        if isinstance(least, tuple):
-            if value not in least:
-                raise ConfigError(f"{where}: expected one of {', '.join(least)}, got {value!r} ({what})")
-            continue
-        if least is None and not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r} ({what})")
-        if least is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise ConfigError(f"{where}: expected an integer >= {least}, got {value!r} ({what})")
-    return dict(options)
+class Token2WavAdvanced(Advanced):
+    """`stages.token2wav.advanced`: internal tuning of the DiT solve and the vocoder."""
+
+    kept_context: bool = Field(True, description="each window's look-back layers read the keys and values the "
+                               "previous window's solve kept (windows must be whole DiT blocks, `left` unset); "
+                               "false: solve `left` codes of context again with each window")
+    left: int | None = Field(None, ge=0, description="codes of left context solved with each window when "
+                             "kept_context is off; None: what the DiT attends back to")
+    right: int | None = Field(None, ge=0, description="codes of look-ahead each window waits for; None: what the "
+                              "DiT attends ahead to")
+    vocoder_context: int = Field(16, ge=0, description="mel frames of context on each side of a window for the "
+                                 "vocoder")
+    num_steps: int = Field(10, ge=2, description="flow-matching ODE steps")
+    tf32: bool = Field(False, description="a float32 DiT's matmuls on TensorFloat-32 tensor cores (torch's "
+                       "process-wide switch, held while a solve launches: float32 stages inline beside it may get "
+                       "TF32 matmuls then too)")
+    cublas_sm_carveout: int = Field(32, ge=0, description="SMs the DiT's cuBLAS matmuls leave free for the other "
+                                    "stages' kernels (CUDA)")
+    carveout_max_batch: int | None = Field(2, ge=1, description="the largest batch of windows cublas_sm_carveout "
+                                           "applies to (None: all): a busy server's large batches run at full width")
+    overlap_vocoder_max_batch: int | None = Field(
+        None, ge=0, description="on CUDA, the vocoder of a batch of up to this many windows runs on a stream of its "
+        "own beside the next window's solve; 0: never; None: 2, or 0 with the DiT in strict float32 (whose long "
+        "solves starve the vocoder beside them)")
+    widen_vocoder_spans: bool = Field(True, description="a window whose vocoder span has no CUDA graph (mostly a "
+                                      "request's last) is vocoded at a captured length with more earlier mel on its "
+                                      "left, not eagerly at a new length (which cuDNN plans first, holding the stage)")
+
+
+# The talker's family-tuned AR defaults: after the reply, 8 codes per launch, so the host (and the interpreter the
+# inline stages share) does per-token work once per 8 codes.
+TALKER_TUNED = {"decode_burst": 8}
+CONFIGS = Path(__file__).with_name("configs")  # the shipped deploy configs (configs/qwen2_5_omni/ copies them)
+
+
+def dit_dtype(name: str, device: torch.device) -> torch.dtype:
+    """token2wav's DiT precision: "auto" is bfloat16 on a GPU, float32 (exact, as transformers runs it) on the
+    CPU, like every stage's "auto"."""
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 class Qwen25OmniFamily:
@@ -297,43 +328,28 @@ class Qwen25OmniFamily:
         return "Qwen2_5OmniForConditionalGeneration" in info.architectures
 
     def default_deploy(self, info: CheckpointInfo) -> dict[str, Any]:
-        """What configs/qwen2_5_omni/1gpu.yaml sets, for a server started without a deploy config: the three
-        stages share one device in the server process, each with its memory share; speech streams. With two or
-        more GPUs visible, 2gpu.yaml's split instead: the talker alone on cuda:1 (on two H200s one request's
-        RTF 0.096 against 0.107 on one; benchmarks/results/omni_qwen2_5.md, run 23)."""
-        # The talker's released sampling settings (transformers' generate defaults); it speaks until its
-        # end code or the end of its context (max_tokens None).
-        talker = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "max_tokens": None}
-        deploy = {
-            "worker_backend": "inline",
-            "async_chunk": True,
-            "stages": {
-                "thinker": {"gpu_memory_utilization": 0.55},
-                "talker": {"gpu_memory_utilization": 0.25, "default_sampling_params": talker,
-                           "overlap_sampled": True, "decode_burst": 8},
-                "token2wav": {"max_num_seqs": 32, "options": {"window": 48, "max_window": 192, "cublas_sm_carveout": 32,
-                                                              "carveout_max_batch": 2}},
-            },
-        }
-        if torch.cuda.device_count() >= 2:
-            stages = deploy["stages"]
-            stages["thinker"].update(devices="0", gpu_memory_utilization=0.65)
-            stages["talker"].update(devices="1", gpu_memory_utilization=0.8)
-            stages["token2wav"]["devices"] = "0"
+        """The shipped configs/1gpu.yaml, or 2gpu.yaml with two or more GPUs visible. Without a GPU the stages'
+        `devices` and `dtype` (which name GPUs and GPU precisions) are dropped: every stage on the CPU, float32."""
+        gpus = torch.cuda.device_count()
+        deploy = yaml.safe_load((CONFIGS / ("2gpu.yaml" if gpus >= 2 else "1gpu.yaml")).read_text())
+        if gpus == 0:
+            for stage in deploy["stages"].values():
+                stage.pop("devices", None)
+                stage.pop("dtype", None)
         return deploy
 
     def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> OmniPipeline:
         from transformers import Qwen2_5OmniConfig, Qwen2_5OmniProcessor
 
-        names = ["thinker", "talker", "token2wav"]
-        deploy.check_stage_names(names)
+        deploy.check_stages({"thinker": ARAdvanced, "talker": ARAdvanced, "token2wav": Token2WavAdvanced},
+                            options={"token2wav": Token2WavOptions})
         stages = [StageSpec("thinker", "ar", ("text",)), StageSpec("talker", "ar"),
                   StageSpec("token2wav", "generation", ("audio",))]
         pipeline = OmniPipeline(info.path, deploy, stages)
         pipeline.edges = [
             Edge("thinker", "talker", lambda r, o: thinker_to_talker(pipeline, r, o)),
             Edge("talker", "token2wav", lambda r, o: talker_to_token2wav(pipeline, r, o),
-                 streamed=bool(token2wav_options(deploy.stage("token2wav").options).get("window"))),
+                 streamed=bool(deploy.stage("token2wav").options.get("window"))),
         ]
         with models.thinker_ids_unflagged():
             pipeline.config = Qwen2_5OmniConfig.from_pretrained(info.path)

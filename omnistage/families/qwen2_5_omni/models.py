@@ -304,7 +304,7 @@ class Token2Wav:
             how = "exact 3xTF32 products" if exact_gemm.ENABLED else "strict float32 on CUDA cores"
             logger.info("token2wav: the DiT runs in float32 (the default, as transformers runs it), its matmuls as "
                         "%s: several times slower than bfloat16 under load, with playback stalls. For serving set "
-                        "stages.token2wav.dtype: bfloat16 (or options.tf32: true); see the README", how)
+                        "stages.token2wav.dtype: bfloat16 (or advanced.tf32: true); see the README", how)
         # The DiT attends within blocks of `block` codes, one block further back per look-backward layer
         # and one further ahead per look-ahead layer: the default context is those blocks.
         dit = self.dit.config

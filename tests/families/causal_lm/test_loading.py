@@ -1,5 +1,5 @@
 """Loaded weights are for inference only: none requires grad, so no step or graph capture records autograd
-(a float32 model whose weights required grad could not capture its decode graphs on CUDA, run 44)."""
+(a float32 model whose weights required grad could not capture its decode graphs on CUDA)."""
 
 from pathlib import Path
 

@@ -28,10 +28,11 @@ SETTINGS = {
     "no_chunked_prefill": {"enable_chunked_prefill": False, "max_num_batched_tokens": 16},
     "preemption": {"num_kv_blocks": 36, "block_size": 4, "max_num_batched_tokens": 32},
     "one_seq_at_a_time": {"max_num_seqs": 1},
-    "no_overlap": {"overlap_decode": False},
-    "bursts": {"decode_burst": 4},
-    "bursts_preemption": {"decode_burst": 5, "num_kv_blocks": 36, "block_size": 4, "max_num_batched_tokens": 32},
-    "eager_prompts": {"prompt_graph_tokens": 0},
+    "no_overlap": {"advanced": {"overlap_decode": False}},
+    "bursts": {"advanced": {"decode_burst": 4}},
+    "bursts_preemption": {"advanced": {"decode_burst": 5}, "num_kv_blocks": 36, "block_size": 4,
+                          "max_num_batched_tokens": 32},
+    "eager_prompts": {"advanced": {"prompt_graph_tokens": 0}},
 }
 
 
@@ -117,7 +118,7 @@ def test_greedy_matches_hf(tiny_lm: str, hf_reference, setting: str) -> None:
 @pytest.mark.parametrize("burst", [1, 4])
 def test_stops_at_eos_like_hf(tiny_qwen2: str, hf_reference, burst: int) -> None:
     prompts, expected = hf_reference(tiny_qwen2, stop_at_eos=True)
-    with Omni(tiny_qwen2, deploy(decode_burst=burst)) as omni:
+    with Omni(tiny_qwen2, deploy(advanced={"decode_burst": burst})) as omni:
         outs = omni.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0))
     assert_same_tokens([o.token_ids for o in outs], expected)
 

@@ -28,6 +28,8 @@ from omnistage.types import StageInput
 pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchvision (installed by scripts/test)")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 WINDOWS = {"window": 8, "left": 8, "right": 4, "vocoder_context": 8}
+# the same windows as deploy settings, with the DiT in float32 (the shipped configs' bfloat16 is for serving)
+T2W = {"dtype": "float32", "options": {"window": 8}, "advanced": {"left": 8, "right": 4, "vocoder_context": 8}}
 
 
 def test_ar_stage_graphs_keep_text_and_codes(tiny_qwen2_5_omni: str) -> None:
@@ -42,7 +44,7 @@ def test_ar_stage_graphs_keep_text_and_codes(tiny_qwen2_5_omni: str) -> None:
         stage = {"max_model_len": 512, "kv_cache_memory_gb": 0.25, "enforce_eager": eager, "dtype": "float32"}
         deploy = {"async_chunk": True, "worker_backend": "inline",
                   "stages": {"thinker": stage, "talker": stage,
-                             "token2wav": {"enforce_eager": True, "options": WINDOWS}}}
+                             "token2wav": {"enforce_eager": True, **T2W}}}
         with Omni(tiny_qwen2_5_omni, deploy) as omni:
             results[eager] = [omni.generate([p], ps, ("text", "audio"), voice=v)[0]
                               for p, ps, v in zip(prompts, params, ["Chelsie", "Ethan"] * 2, strict=True)]
@@ -161,7 +163,7 @@ def test_concurrent_streamed_requests_keep_their_audio_with_the_vocoder_beside(t
     stage = {"max_model_len": 512, "kv_cache_memory_gb": 0.25, "dtype": "float32"}
     deploy = {"async_chunk": True, "worker_backend": "inline",
               "stages": {"thinker": stage, "talker": stage,
-                         "token2wav": {"options": {**WINDOWS, "overlap_vocoder_max_batch": 1}}}}
+                         "token2wav": {**T2W, "advanced": {**T2W["advanced"], "overlap_vocoder_max_batch": 1}}}}
     with Omni(tiny_qwen2_5_omni, deploy) as omni:
         solo = [omni.generate([p], ps, ("text", "audio"), voice=v)[0]
                 for p, ps, v in zip(prompts, params, voices, strict=True)]
@@ -195,7 +197,7 @@ def test_inline_stage_streams_equal_stage_processes(tiny_qwen2_5_omni: str) -> N
         # bfloat16 a batch of another size flipped the thinker's second greedy token (5 of 8 runs, run 41b)
         stage = {"max_model_len": 512, "kv_cache_memory_gb": 0.25, "devices": "0", "dtype": "float32"}
         deploy = {"async_chunk": True, "worker_backend": backend,
-                  "stages": {"thinker": stage, "talker": stage, "token2wav": {"devices": "0", "options": WINDOWS}}}
+                  "stages": {"thinker": stage, "talker": stage, "token2wav": {"devices": "0", **T2W}}}
         with Omni(tiny_qwen2_5_omni, deploy) as omni:
             results[backend] = omni.generate(prompts, params, ("text", "audio"))
             if backend == "inline":  # decoding stages' streams are favoured by the GPU's block scheduler

@@ -1,5 +1,5 @@
-"""Without a deploy config, Qwen2.5-Omni serves the way configs/qwen2_5_omni/1gpu.yaml does (2gpu.yaml's split
-where two or more GPUs are visible)."""
+"""Without a deploy config, Qwen2.5-Omni serves the way its shipped 1gpu.yaml says (2gpu.yaml's split where two
+or more GPUs are visible; on a host without GPUs the same, with every stage on the CPU in float32)."""
 
 from __future__ import annotations
 
@@ -10,53 +10,71 @@ import pytest
 import torch
 import yaml
 
-from omnistage.families.qwen2_5_omni import models
+from omnistage.families.qwen2_5_omni import (
+    CONFIGS,
+    TALKER_TUNED,
+    Token2WavAdvanced,
+    Token2WavOptions,
+    dit_dtype,
+    models,
+)
 from omnistage.runtime.launch import build_pipeline
 
 pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchvision (installed by scripts/test)")
-CONFIGS = Path(__file__).parents[3] / "configs" / "qwen2_5_omni"
+STAGES = ("thinker", "talker", "token2wav")
 
 
-def test_defaults_stream_speech_from_stages_sharing_one_device(tiny_qwen2_5_omni: str, monkeypatch) -> None:
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # what this test pins, on any machine
-    deploy = build_pipeline(tiny_qwen2_5_omni).deploy
-    assert all(deploy.stage(name).devices is None for name in ("thinker", "talker", "token2wav"))
-    assert deploy.worker_backend == "inline" and deploy.async_chunk
-    # small solves leave SMs to the talker (whether a small batch's vocoder runs beside the next solve follows
-    # the DiT's precision: default_vocoder_overlap)
-    carveout = {"cublas_sm_carveout": 32, "carveout_max_batch": 2}
-    assert deploy.stage("token2wav").options == {"window": 48, "max_window": 192, **carveout}
-    assert deploy.stage("token2wav").max_num_seqs == 32
-    shares = {name: deploy.stage(name).gpu_memory_utilization for name in ("thinker", "talker")}
-    assert shares == {"thinker": 0.55, "talker": 0.25}
-    assert deploy.stage("talker").default_sampling_params["top_k"] == 40
-    assert deploy.stage("talker").overlap_sampled and not deploy.stage("thinker").overlap_sampled
-    assert deploy.stage("talker").decode_burst == 8 and deploy.stage("thinker").decode_burst == 1
-
-    shipped = yaml.safe_load((CONFIGS / "1gpu.yaml").read_text())
-    assert shipped["worker_backend"] == deploy.worker_backend and shipped["async_chunk"] == deploy.async_chunk
-    assert {k: shipped["stages"]["token2wav"]["options"][k] for k in ("window", "max_window", *carveout)} == {
-        "window": 48, "max_window": 192, **carveout}
-    assert shipped["stages"]["talker"]["overlap_sampled"] and shipped["stages"]["talker"]["decode_burst"] == 8
+def shipped(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())
 
 
-@pytest.mark.parametrize("gpus", [2, 4])
-def test_two_or_more_gpus_default_to_the_two_gpu_split(tiny_qwen2_5_omni: str, monkeypatch, gpus: int) -> None:
-    """With two GPUs or more visible, the defaults are 2gpu.yaml's placement: the talker alone on cuda:1, thinker
-    and token2wav on cuda:0, inline, with its memory shares; the rest as on one GPU. A deploy config still wins."""
+def without(fields: tuple[str, ...], config: dict) -> dict:
+    stages = {name: {f: v for f, v in stage.items() if f not in fields} for name, stage in config["stages"].items()}
+    return {**config, "stages": stages}
+
+
+@pytest.mark.parametrize(("gpus", "name"), [(1, "1gpu.yaml"), (2, "2gpu.yaml"), (4, "2gpu.yaml")])
+def test_the_defaults_are_the_shipped_config(tiny_qwen2_5_omni: str, monkeypatch, gpus: int, name: str) -> None:
+    """The default is the packaged YAML itself, not a copy of its values: every stage field it sets, as it sets
+    it (the token2wav DiT in bfloat16 on GPUs). A deploy config still wins."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     deploy = build_pipeline(tiny_qwen2_5_omni).deploy
-    shipped = yaml.safe_load((CONFIGS / "2gpu.yaml").read_text())
-    assert deploy.worker_backend == shipped["worker_backend"] == "inline"
-    for name, stage in shipped["stages"].items():
-        assert deploy.stage(name).devices == stage["devices"], name
-        if "gpu_memory_utilization" in stage:
-            assert deploy.stage(name).gpu_memory_utilization == stage["gpu_memory_utilization"], name
-    options = deploy.stage("token2wav").options
-    assert options == {k: v for k, v in shipped["stages"]["token2wav"]["options"].items() if k in options}
-    assert deploy.stage("talker").decode_burst == 8 and deploy.stage("token2wav").max_num_seqs == 32
+    config = shipped(name)
+    assert (deploy.worker_backend, deploy.async_chunk) == (config["worker_backend"], config["async_chunk"]) == (
+        "inline", True)
+    for stage, fields in config["stages"].items():
+        assert deploy.stage(stage).model_dump(include=set(fields)) == fields, stage
+    assert deploy.stage("token2wav").dtype == "bfloat16" and deploy.stage("thinker").dtype == "auto"
+    assert deploy.stage("talker").sampling_params().max_tokens is None  # speaks until its end code
     one = build_pipeline(tiny_qwen2_5_omni, CONFIGS / "1gpu.yaml").deploy
-    assert {one.stage(name).devices for name in ("thinker", "talker", "token2wav")} == {"0"}
+    assert {one.stage(name).devices for name in STAGES} == {"0"}
+    exact = build_pipeline(tiny_qwen2_5_omni, overrides={"stages.token2wav.dtype": "float32"}).deploy
+    assert exact.stage("token2wav").dtype == "float32"
+
+
+def test_without_gpus_the_default_runs_every_stage_on_the_cpu(tiny_qwen2_5_omni: str, monkeypatch) -> None:
+    """1gpu.yaml less what names a GPU or a GPU precision (`devices`, `dtype`): resolved, every stage is the CPU's
+    and token2wav's DiT is float32."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    deploy = build_pipeline(tiny_qwen2_5_omni).deploy
+    config = without(("devices", "dtype"), shipped("1gpu.yaml"))
+    for stage, fields in config["stages"].items():
+        assert deploy.stage(stage).model_dump(include=set(fields)) == fields, stage
+    assert all((deploy.stage(s).devices, deploy.stage(s).dtype) == (None, "auto") for s in STAGES)
+    assert dit_dtype("auto", torch.device("cpu")) == torch.float32
+    assert dit_dtype("auto", torch.device("cuda:0")) == torch.bfloat16
+    assert dit_dtype("float32", torch.device("cuda:0")) == torch.float32
+
+
+def test_internal_tuning_has_family_defaults_outside_the_yaml() -> None:
+    """The shipped configs hold user settings only; the talker's decode bursts and token2wav's solve tuning are
+    the family's defaults, reachable through `advanced`."""
+    for name in ("1gpu.yaml", "2gpu.yaml"):
+        assert not any("advanced" in stage for stage in shipped(name)["stages"].values())
+    assert TALKER_TUNED == {"decode_burst": 8}
+    tuned = Token2WavAdvanced()
+    assert (tuned.cublas_sm_carveout, tuned.carveout_max_batch, tuned.vocoder_context) == (32, 2, 16)
+    assert Token2WavOptions.model_fields["vocoder_dtype"].annotation.__args__ == models.VOCODER_DTYPES
 
 
 def test_its_pipeline_loads_without_false_vocabulary_warnings(tiny_qwen2_5_omni: str) -> None:
@@ -97,8 +115,7 @@ def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) 
     deploy = build_pipeline(tiny_qwen2_5_omni, {"worker_backend": "process",
                                                 "stages": {"token2wav": {"options": {"window": 96}}}}).deploy
     assert deploy.worker_backend == "process"
-    assert deploy.stage("token2wav").options == {"window": 96, "max_window": 192, "cublas_sm_carveout": 32,
-                                                  "carveout_max_batch": 2}
+    assert deploy.stage("token2wav").options == {"window": 96, "first_window": 24, "max_window": 192}
     from transformers import Qwen2_5OmniConfig
 
     path, cpu = Path(tiny_qwen2_5_omni), torch.device("cpu")
@@ -110,26 +127,41 @@ def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) 
     assert [wide._next_window(done) for done in (0, 24, 216)] == [24, 192, 192]
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"windw": 48}, "stages.token2wav.options.windw: unknown option; did you mean 'window'?"),
-    ({"window": -48}, "stages.token2wav.options.window: expected an integer >= 0, got -48"),
-    ({"max_window": "96"}, "stages.token2wav.options.max_window: expected an integer >= 1, got '96'"),
-    ({"num_steps": 1}, "stages.token2wav.options.num_steps: expected an integer >= 2, got 1"),
-    ({"tf32": "yes"}, "stages.token2wav.options.tf32: expected true or false, got 'yes'"),
-    ({"cublas_sm_carveout": -8}, "stages.token2wav.options.cublas_sm_carveout: expected an integer >= 0, got -8"),
-    ({"carveout_max_batch": 0}, "stages.token2wav.options.carveout_max_batch: expected an integer >= 1, got 0"),
-    ({"overlap_vocoder_max_batch": True},
-     "stages.token2wav.options.overlap_vocoder_max_batch: expected an integer >= 0, got True"),
-    ({"vocoder_dtype": "float16"},
-     "stages.token2wav.options.vocoder_dtype: expected one of float32, bfloat16, got 'float16'"),
+T2W = "stages.token2wav"
+
+
+@pytest.mark.parametrize(("stage", "message"), [
+    ({"options": {"windw": 48}}, f"{T2W}.options.windw: unknown field; did you mean 'window'?"),
+    ({"options": {"window": -48}}, f"{T2W}.options.window: Input should be greater than or equal to 0 (got -48)"),
+    ({"options": {"max_window": "96"}}, f"{T2W}.options.max_window: Input should be a valid integer (got '96')"),
+    ({"options": {"vocoder_dtype": "float16"}}, f"{T2W}.options.vocoder_dtype: Input should be 'float32' or"),
+    ({"options": {"cublas_sm_carveout": 8}}, f"{T2W}.options.cublas_sm_carveout: unknown field"),
+    ({"advanced": {"num_steps": 1}}, f"{T2W}.advanced.num_steps: Input should be greater than or equal to 2"),
+    ({"advanced": {"tf32": "yes"}}, f"{T2W}.advanced.tf32: Input should be a valid boolean (got 'yes')"),
+    ({"advanced": {"cublas_sm_carvout": 8}}, f"{T2W}.advanced.cublas_sm_carvout: unknown field; did you mean "
+                                              "'cublas_sm_carveout'?"),
+    ({"advanced": {"carveout_max_batch": 0}}, f"{T2W}.advanced.carveout_max_batch: Input should be greater than"),
+    ({"advanced": {"overlap_vocoder_max_batch": True}},
+     f"{T2W}.advanced.overlap_vocoder_max_batch: Input should be a valid integer (got True)"),
+    ({"advanced": {"decode_burst": 8}}, f"{T2W}.advanced.decode_burst: unknown field"),
 ])
-def test_bad_token2wav_options_fail_at_start_up_naming_the_field(tiny_qwen2_5_omni: str, options: dict,
-                                                                 message: str) -> None:
+def test_bad_token2wav_settings_fail_at_start_up_naming_the_field(tiny_qwen2_5_omni: str, stage: dict,
+                                                                  message: str) -> None:
     from omnistage.errors import ConfigError
 
     with pytest.raises(ConfigError) as error:
-        build_pipeline(tiny_qwen2_5_omni, {"stages": {"token2wav": {"options": options}}})
+        build_pipeline(tiny_qwen2_5_omni, {"stages": {"token2wav": stage}})
     assert message in str(error.value)
+
+
+def test_the_talker_takes_ar_tuning_and_no_options(tiny_qwen2_5_omni: str) -> None:
+    from omnistage.errors import ConfigError
+
+    build_pipeline(tiny_qwen2_5_omni, {"stages": {"talker": {"advanced": {"decode_burst": 4}}}})
+    with pytest.raises(ConfigError, match="stages.talker.advanced.window: unknown field"):
+        build_pipeline(tiny_qwen2_5_omni, {"stages": {"talker": {"advanced": {"window": 4}}}})
+    with pytest.raises(ConfigError, match="stages.thinker.options: this stage takes no options"):
+        build_pipeline(tiny_qwen2_5_omni, {"stages": {"thinker": {"options": {"window": 4}}}})
 
 
 def test_matmul_sm_carveout_holds_only_inside_its_block() -> None:
@@ -189,8 +221,30 @@ def test_the_talker_never_samples_a_code_token2wav_cannot_decode(tiny_qwen2_5_om
 
 
 def test_the_vocoder_runs_beside_the_next_solve_unless_the_dit_is_strict_float32() -> None:
-    """Beside a strict float32 solve the vocoder starves (a request's first audio 0.71 against 0.46 s on an H200,
-    run 43e); beside a bfloat16 or TF32 one it finishes early."""
+    """Beside a strict float32 solve the vocoder starves (a request's first audio comes later); beside a bfloat16
+    or TF32 one it finishes early."""
     assert models.default_vocoder_overlap(torch.float32, tf32=False) == 0
     assert models.default_vocoder_overlap(torch.float32, tf32=True) == 2
     assert models.default_vocoder_overlap(torch.bfloat16, tf32=False) == 2
+
+
+def test_a_requests_handoff_state_is_typed_and_token2wav_takes_its_seed(tiny_qwen2_5_omni: str) -> None:
+    """preprocess keeps one OmniHandoff per request; token2wav's noise seed is the seed of the request's token2wav
+    sampling params (the third `sampling_params_list` entry), else its `seed` option, else 0."""
+    from omnistage.families.qwen2_5_omni import HANDOFF, OmniHandoff, talker_to_token2wav
+    from omnistage.sampling_params import SamplingParams
+    from omnistage.types import OmniRequest, StageOutput
+
+    pipeline = build_pipeline(tiny_qwen2_5_omni)
+    messages = [{"role": "user", "content": "Hello there."}]
+    cases = [({"token2wav": SamplingParams(seed=7)}, {"seed": 3}, 7), ({"token2wav": SamplingParams()}, {"seed": 3}, 3),
+             ({}, {}, 0)]
+    for stage_params, options, seed in cases:
+        request = OmniRequest("r", messages=messages, stage_params=stage_params, output_modalities=("text", "audio"),
+                              options=options)
+        inp = pipeline.preprocess(request)
+        state = request.pipeline_state[HANDOFF]
+        assert list(request.pipeline_state) == [HANDOFF] and isinstance(state, OmniHandoff)
+        assert (state.thinker_input, state.voice, state.talker_open) == (inp, pipeline.voices[0], False)
+        out = StageOutput("r", "talker", token_ids=[1, 2], finished=True)
+        assert talker_to_token2wav(pipeline, request, out).params == {"voice": pipeline.voices[0], "seed": seed}

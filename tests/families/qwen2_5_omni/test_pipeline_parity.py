@@ -92,8 +92,8 @@ def test_text_and_speech_equal_transformers(tiny_qwen2_5_omni: str, reference, a
         "talker": SamplingParams(max_tokens=TALKER_CODES, temperature=0, repetition_penalty=1.05, ignore_eos=True),
     }
     deploy = {"async_chunk": async_chunk,
-              "stages": {"*": {"max_model_len": 512, **FP32}, "talker": {"overlap_sampled": True,
-                                                                         "decode_burst": burst}}}
+              "stages": {"*": {"max_model_len": 512, **FP32}, "talker": {"advanced": {
+                  "overlap_sampled": True, "decode_burst": burst}}}}
     with Omni(tiny_qwen2_5_omni, deploy) as omni:
         (spoken,) = omni.generate([MESSAGES], params, ("text", "audio"), voice=VOICE)
         (text_only,) = omni.generate([MESSAGES], params["thinker"])
@@ -226,9 +226,9 @@ def test_windowed_token2wav_streams_audio_close_to_one_shot(tiny_qwen2_5_omni: s
               "talker": SamplingParams(max_tokens=48, temperature=0, repetition_penalty=1.05, ignore_eos=True)}
     with Omni(tiny_qwen2_5_omni, {"stages": {"*": {"max_model_len": 512, **FP32}}}) as omni:
         (whole,) = omni.generate([messages], params, ("text", "audio"), voice=VOICE)
-    windows = {"window": 8, "left": 8, "right": 4, "vocoder_context": 8}
+    windows = {"options": {"window": 8}, "advanced": {"left": 8, "right": 4, "vocoder_context": 8}}
     engine = AsyncOmni(tiny_qwen2_5_omni, {"async_chunk": True, "stages": {
-        "*": {"max_model_len": 512, **FP32}, "token2wav": {"options": windows}}})
+        "*": {"max_model_len": 512, **FP32}, "token2wav": windows}})
 
     async def stream() -> list[torch.Tensor]:
         request = OmniRequest(request_id="s", messages=messages, stage_params=params,
@@ -257,7 +257,8 @@ def test_abort_reaches_all_three_stages(tiny_qwen2_5_omni: str) -> None:
     long = {"thinker": SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
             "talker": SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)}
     engine = AsyncOmni(tiny_qwen2_5_omni, {"async_chunk": True, "stages": {
-        "*": {"max_model_len": 1024, **FP32}, "token2wav": {"options": {"window": 8, "left": 8, "right": 4}}}})
+        "*": {"max_model_len": 1024, **FP32}, "token2wav": {"options": {"window": 8},
+                                                           "advanced": {"left": 8, "right": 4}}}})
 
     async def leave_early() -> None:
         request = OmniRequest(request_id="gone", messages=MESSAGES, stage_params=long,

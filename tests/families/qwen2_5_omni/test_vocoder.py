@@ -101,7 +101,7 @@ def test_vocoder_dtype_is_checked_and_bfloat16_needs_cuda(tiny_qwen2_5_omni: str
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the bfloat16 vocoder runs on CUDA (fused activations)")
 def test_bfloat16_vocoder_stays_near_float32(tiny_qwen2_5_omni: str) -> None:
     """The same mel through the float32 and the bfloat16 vocoder: the waveforms' relative RMS distance is small
-    (2.2% on the released layout, benchmarks/token2wav_windows.py --vocoder, run 26a)."""
+    (a few percent on the released layout; benchmarks/results/omni_qwen2_5.md has the figure)."""
     from pathlib import Path
 
     from transformers import Qwen2_5OmniConfig
