@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.config.deploy import DeployConfig
-from omnistage.runtime.launch import build_pipeline, start_orchestrator
+from omnistage.families.registry import load_pipeline
+from omnistage.runtime.launch import start_orchestrator
 from omnistage.sampling_params import SamplingParams
 from omnistage.types import OmniOutput, OmniRequest
 
@@ -20,7 +21,7 @@ class AsyncOmni:
     def __init__(self, model: str | Path, deploy_config: str | Path | dict | DeployConfig | None = None,
                  overrides: dict[str, Any] | None = None, served_model_name: str | None = None):
         """Load the checkpoint's pipeline and start its stage workers (blocking)."""
-        self.pipeline = build_pipeline(model, deploy_config, overrides)
+        self.pipeline = load_pipeline(model, deploy_config, overrides)
         self.orchestrator = start_orchestrator(self.pipeline)
         self.served_model_name = served_model_name or Path(model).name
         self.tokenizer = self.pipeline.tokenizer

@@ -1,4 +1,5 @@
-"""Finds the family that serves a checkpoint, from config.json or model_index.json.
+"""Finds the family that serves a checkpoint, from config.json or model_index.json, and loads its
+pipeline declaration with the deploy config (`load_pipeline`).
 
 Families outside omnistage register with `register_family`, or, so that stage worker processes
 (which start fresh) find them too, through $OMNISTAGE_FAMILY_PLUGINS="pkg.module:FamilyClass,...".
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 from omnistage import envs
+from omnistage.config.deploy import DeployConfig, load_deploy_config
 from omnistage.errors import ConfigError
-from omnistage.families.base import CheckpointInfo, Family
+from omnistage.families.base import CheckpointInfo, Family, Pipeline
 
 
 def _families() -> list[Family]:
@@ -62,3 +65,15 @@ def detect_family(model_path: str | Path) -> tuple[Family, CheckpointInfo]:
             return family, info
     found = ", ".join(info.architectures) or info.class_name or "no architecture"
     raise ConfigError(f"{str(path)!r} ({found}) is not a supported model family")
+
+
+def load_pipeline(
+    model: str | Path,
+    deploy: str | Path | dict[str, Any] | DeployConfig | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Pipeline:
+    """The pipeline of the checkpoint at `model`: its family's declaration, with the deploy config (a path,
+    a dict or a DeployConfig, plus `overrides`) laid over the family's defaults for that checkpoint."""
+    family, info = detect_family(model)
+    config = load_deploy_config(deploy, overrides, base=family.default_deploy(info))
+    return family.pipeline(info, config)

@@ -13,15 +13,14 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from omnistage import envs
-from omnistage.config.deploy import ConnectorConfig, DeployConfig, did_you_mean, load_deploy_config
+from omnistage.config.deploy import ConnectorConfig, did_you_mean
 from omnistage.devices import on_device, resolve_device
 from omnistage.errors import ConfigError, StageError
 from omnistage.families.base import Pipeline
-from omnistage.families.registry import detect_family
+from omnistage.families.registry import load_pipeline
 from omnistage.runtime import control
 from omnistage.runtime.connector import curve_key
 from omnistage.runtime.orchestrator import Orchestrator
@@ -31,14 +30,7 @@ from omnistage.runtime.worker import ExitCallback, InlineStageWorker, OutputCall
 DEFAULT_CONNECTOR = {"process": "shm", "ray": "tcp"}
 
 
-def build_pipeline(
-    model: str | Path,
-    deploy_config: str | Path | dict[str, Any] | DeployConfig | None = None,
-    overrides: dict[str, Any] | None = None,
-) -> Pipeline:
-    family, info = detect_family(model)
-    deploy = load_deploy_config(deploy_config, overrides, base=family.default_deploy(info))
-    return family.pipeline(info, deploy)
+# The loader's former name here, still imported by tests and benchmarks outside the runtime.
 
 
 def start_orchestrator(pipeline: Pipeline) -> Orchestrator:

@@ -16,11 +16,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from omnistage.errors import OmniError, RequestError, StageError
 from omnistage.families.base import Pipeline
-from omnistage.runtime.worker import ExitCallback, OutputCallback, StageWorker
+from omnistage.runtime.worker import AddChunk, AddRequest, ExitCallback, OutputCallback, StageWorker
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageMetrics, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -58,7 +57,8 @@ class Orchestrator:
         self.restarts: Counter[tuple[str, int]] = Counter()
         self.finished: Counter[str] = Counter()  # requests by outcome: "ok", "error", "abort"
         self.closed = False
-        self._outbox: dict[StageWorker, list] | None = None  # sends of the step being routed (_send)
+        # sends of the step being routed (_send)
+        self._outbox: dict[StageWorker, list[AddRequest | AddChunk]] | None = None
         self._restarting = threading.RLock()  # one restart at a time
         try:
             for spec in pipeline.stages:
@@ -186,7 +186,7 @@ class Orchestrator:
         collected per worker in `_outbox`, for one add_many when the step's routing ends."""
         if stage in state.replica:
             worker = self.workers[stage][state.replica[stage]]
-            command = ("chunk", (inp.request_id, inp))
+            command: AddRequest | AddChunk = AddChunk(inp.request_id, inp)
         else:
             loads = self.load[stage]
             live = [r for r, w in enumerate(self.workers[stage]) if w.is_alive()]
@@ -197,10 +197,10 @@ class Orchestrator:
             state.replica[stage] = replica
             state.metrics[stage] = StageMetrics(stage)
             worker = self.workers[stage][replica]
-            command = ("add", inp)
+            command = AddRequest(inp)
         if self._outbox is not None and hasattr(worker, "add_many"):
             self._outbox.setdefault(worker, []).append(command)
-        elif command[0] == "add":
+        elif isinstance(command, AddRequest):
             worker.add_request(inp)
         else:
             worker.add_input_chunk(inp.request_id, inp)
@@ -209,7 +209,7 @@ class Orchestrator:
         if abort and self._outbox:  # inputs of this request not handed over yet: never hand them over
             rid = state.request.request_id
             for commands in self._outbox.values():
-                commands[:] = [c for c in commands if _request_of(c) != rid]
+                commands[:] = [c for c in commands if c.request_id != rid]
         for stage, replica in state.replica.items():
             self.load[stage][replica] -= 1
             if abort:
@@ -231,13 +231,13 @@ class Orchestrator:
                     if commands:  # (a failed request's may have been dropped)
                         self._hand_over(worker, commands)
 
-    def _hand_over(self, worker: StageWorker, commands: list) -> None:
+    def _hand_over(self, worker: StageWorker, commands: list[AddRequest | AddChunk]) -> None:
         try:
             worker.add_many(commands)
         except Exception as exc:  # the stage could not take them: those requests fail, the others go on
             logger.exception("stage %r could not take its inputs", worker.stage)
             status = exc.status if isinstance(exc, OmniError) else 500
-            for rid in {_request_of(c) for c in commands}:
+            for rid in {c.request_id for c in commands}:
                 state = self.requests.get(rid)
                 if state is not None:
                     self._finish(state, OmniOutput.failure(
@@ -299,9 +299,3 @@ class Orchestrator:
             state.sink(out)
         except Exception:  # e.g. the caller's event loop is gone; other requests go on
             logger.exception("could not deliver output of request %r", out.request_id)
-
-
-def _request_of(command: tuple[str, Any]) -> str:
-    """The request an ("add", inp) or ("chunk", (request_id, chunk)) command is for."""
-    kind, arg = command
-    return arg.request_id if kind == "add" else arg[0]

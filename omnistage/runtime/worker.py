@@ -33,9 +33,59 @@ ExitCallback = Callable[[str, int, str], None]  # (stage, replica, why)
 Report = Callable[[list[StageOutput], dict[str, Any]], None]  # (outputs, stats) after each iteration
 
 
+# ---- engine loop commands: what a worker's host queues for its EngineLoop ---------------------------
+
+
+@dataclass
+class AddRequest:
+    """A new request for the engine."""
+
+    inp: StageInput
+
+    @property
+    def request_id(self) -> str:
+        return self.inp.request_id
+
+
+@dataclass
+class AddChunk:
+    """A further input chunk of a request the engine already has."""
+
+    request_id: str
+    chunk: StageInput
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class Fail:
+    """A request's failure found before the engine saw it: `output` (a StageOutput with an error) is
+    reported as it is."""
+
+    output: StageOutput
+
+
+@dataclass
+class Batch:
+    """Inputs handed over together, applied in order (one stage step's sends: StageWorker.add_many)."""
+
+    commands: list[AddRequest | AddChunk]
+
+
+@dataclass
+class Stop:
+    """Shut the engine down and end the loop."""
+
+
+Command = AddRequest | AddChunk | Abort | Fail | Batch | Stop
+
+
 class StageWorker(Protocol):
-    """Optionally also `add_many(commands)`: ("add", inp) and ("chunk", (request_id, chunk)) commands, in order,
-    handed over at once (one stage step's sends; the orchestrator uses it where a worker has it)."""
+    """Optionally also `add_many(commands)`: AddRequest and AddChunk commands, in order, handed over at
+    once (one stage step's sends; the orchestrator uses it where a worker has it)."""
 
     stage: str
     replica: int
@@ -64,18 +114,20 @@ class EngineLoop:
     MIN_APPLY_SECONDS = 0.002  # commands applied per iteration while the engine has work: at least this long
 
     def __init__(self, stage: str, engine: Engine, report: Report,
-                 receive: Callable[[Any], StageInput] | None = None):
+                 receive: Callable[[Any], Command] | None = None):
         self.stage, self.engine, self.report = stage, engine, report
-        self.receive = receive or (lambda inp: inp)  # what the host does with an input before the engine sees it
-        self.commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self.backlog: collections.deque[tuple[str, Any]] = collections.deque()  # taken off `commands`, not applied
+        # What the host does with a queued item before it is applied: a Command as it is, or what the host
+        # queued in its place (InlineStageWorker wraps inputs written on another CUDA stream).
+        self.receive = receive or (lambda command: command)
+        self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.backlog: collections.deque[Any] = collections.deque()  # taken off `commands`, not applied
         # Loop metrics, reported with the engine's stats: step count and time, outputs per step, and the
         # loop's time outside steps: applying commands (inputs arriving) and reporting (routing outputs on).
         self.steps, self.step_seconds, self.step_outputs = 0, 0.0, 0
         self.command_seconds = self.report_seconds = 0.0
 
     def run(self) -> None:
-        """Until a "stop" command. Exceptions (a broken engine) propagate to the host.
+        """Until a Stop command. Exceptions (a broken engine) propagate to the host.
 
         Commands are applied in arrival order, but while the engine has work for at most about as long as its
         last step took (and at least one): a stream of input chunks (a talker fed a row per request per thinker
@@ -88,11 +140,11 @@ class EngineLoop:
             start = time.perf_counter()
             budget = start + max(self.MIN_APPLY_SECONDS, last_step)
             while backlog:
-                kind, arg = backlog.popleft()
-                if kind == "stop":
+                command = backlog.popleft()
+                if isinstance(command, Stop):
                     self.engine.shutdown()
                     return
-                outputs += self._apply(kind, arg)
+                outputs += self._apply(command)
                 if backlog and time.perf_counter() > budget and self.engine.has_work():
                     break
             self.command_seconds += time.perf_counter() - start
@@ -114,27 +166,29 @@ class EngineLoop:
                 "report_seconds": self.report_seconds,
                 "commands_queued": self.commands.qsize() + len(self.backlog)}
 
-    def _apply(self, kind: str, arg: Any) -> list[StageOutput]:
-        if kind == "add":
-            arg = self.receive(arg)
-            try:
-                self.engine.add_request(arg)
-            except Exception as exc:  # a bad request must not take the stage down
-                return [StageOutput.failure(
-                    arg.request_id, self.stage, f"stage {self.stage!r} rejected the request: {exc}",
-                    exc.status if isinstance(exc, OmniError) else 500,
-                )]
-        elif kind == "chunk":
-            self.engine.add_input_chunk(arg[0], self.receive(arg[1]))
-        elif kind == "many":  # commands handed over together (InlineStageWorker.add_many)
-            return [out for k, a in self.receive(arg) for out in self._apply(k, a)]
-        elif kind == "abort":
-            self.engine.abort(arg)
-        elif kind == "fail":  # a StageOutput with an error, found before the engine saw the request
-            return [arg]
+    def _apply(self, command: Any) -> list[StageOutput]:
+        match self.receive(command):
+            case AddRequest(inp=inp):
+                try:
+                    self.engine.add_request(inp)
+                except Exception as exc:  # a bad request must not take the stage down
+                    return [StageOutput.failure(
+                        inp.request_id, self.stage, f"stage {self.stage!r} rejected the request: {exc}",
+                        exc.status if isinstance(exc, OmniError) else 500,
+                    )]
+            case AddChunk(request_id=request_id, chunk=chunk):
+                self.engine.add_input_chunk(request_id, chunk)
+            case Batch(commands=commands):
+                return [out for c in commands for out in self._apply(c)]
+            case Abort(request_id=request_id):
+                self.engine.abort(request_id)
+            case Fail(output=output):
+                return [output]
+            case other:
+                raise TypeError(f"stage {self.stage!r}: not an engine loop command: {other!r}")
         return []
 
-    def _drain(self, block: bool) -> list[tuple[str, Any]]:
+    def _drain(self, block: bool) -> list[Any]:
         commands = [self.commands.get()] if block else []
         while True:
             try:
@@ -183,10 +237,10 @@ class InFlight:
 
 @dataclass
 class _Written:
-    """Inputs (an input, or add_many's commands) whose GPU tensors were written on another thread's CUDA stream,
-    up to `event`."""
+    """A command (AddRequest, AddChunk, or add_many's Batch) whose inputs' GPU tensors were written on another
+    thread's CUDA stream, up to `event`."""
 
-    inp: StageInput | list[tuple[str, Any]]
+    command: AddRequest | AddChunk | Batch
     tensors: list[torch.Tensor]
     event: torch.cuda.Event
 
@@ -226,50 +280,48 @@ class InlineStageWorker:
 
     def add_request(self, inp: StageInput) -> None:
         self.inflight.add(inp.request_id)
-        self.loop.commands.put(("add", self._hand_over(inp)))
+        self.loop.commands.put(self._hand_over(AddRequest(inp), [inp]))
 
     def add_input_chunk(self, request_id: str, chunk: StageInput) -> None:
-        self.loop.commands.put(("chunk", (request_id, self._hand_over(chunk))))
+        self.loop.commands.put(self._hand_over(AddChunk(request_id, chunk), [chunk]))
 
-    def add_many(self, commands: list[tuple[str, Any]]) -> None:
+    def add_many(self, commands: list[AddRequest | AddChunk]) -> None:
         """One hand-over (one event, one wait) for all: per command, the CUDA calls of a hand-over cost more
         than the rest of routing a token when stage threads contend for the interpreter."""
-        for kind, arg in commands:
-            if kind == "add":
-                self.inflight.add(arg.request_id)
-        inputs = [arg if kind == "add" else arg[1] for kind, arg in commands]
+        for command in commands:
+            if isinstance(command, AddRequest):
+                self.inflight.add(command.request_id)
+        inputs = [c.inp if isinstance(c, AddRequest) else c.chunk for c in commands]
+        self.loop.commands.put(self._hand_over(Batch(commands), inputs))
+
+    def _hand_over(self, command: AddRequest | AddChunk | Batch,
+                   inputs: list[StageInput]) -> AddRequest | AddChunk | Batch | _Written:
+        """Called on the sender's thread: mark how far its stream has written the inputs' GPU tensors."""
         tensors = [t for inp in inputs for t in _cuda_tensors(inp)] if self.stream is not None else []
-        self.loop.commands.put(("many", self._written(commands, tensors) if tensors else commands))
-
-    def _hand_over(self, inp: StageInput) -> StageInput | _Written:
-        """Called on the sender's thread: mark how far its stream has written the input's GPU tensors."""
-        tensors = _cuda_tensors(inp) if self.stream is not None else []
-        return self._written(inp, tensors) if tensors else inp
-
-    @staticmethod
-    def _written(inp: StageInput | list[tuple[str, Any]], tensors: list[torch.Tensor]) -> _Written:
+        if not tensors:
+            return command
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(tensors[0].device))
-        return _Written(inp, tensors, event)
+        return _Written(command, tensors, event)
 
-    def _receive(self, arg: StageInput | list | _Written) -> StageInput | list:
+    def _receive(self, item: Command | _Written) -> Command:
         """Called on this stage's thread, before its engine sees the input(s)."""
-        if not isinstance(arg, _Written):
-            return arg
+        if not isinstance(item, _Written):
+            return item
         # This thread's stream on each device holding them: ours on our device; on another (tensors this stage
         # copies over from there), that device's stream in this thread, where torch runs the copy.
-        streams = {device: torch.cuda.current_stream(device) for device in {t.device for t in arg.tensors}}
+        streams = {device: torch.cuda.current_stream(device) for device in {t.device for t in item.tensors}}
         for stream in streams.values():
-            stream.wait_event(arg.event)
+            stream.wait_event(item.event)
         # The allocator tracks memory by storage: one record per storage (a step's rows for every request are
         # views of one tensor), not per view.
-        for tensor in {id(base): base for base in (t if t._base is None else t._base for t in arg.tensors)}.values():
+        for tensor in {id(base): base for base in (t if t._base is None else t._base for t in item.tensors)}.values():
             tensor.record_stream(streams[tensor.device])
-        return arg.inp
+        return item.command
 
     def abort(self, request_id: str) -> None:
         self.inflight.discard(request_id)
-        self.loop.commands.put(("abort", request_id))
+        self.loop.commands.put(Abort(request_id))
 
     def wait_ready(self, timeout: float) -> None:
         return None  # the engine was built before the thread started
@@ -282,7 +334,7 @@ class InlineStageWorker:
 
     def shutdown(self) -> None:
         self._stopping = True
-        self.loop.commands.put(("stop", None))
+        self.loop.commands.put(Stop())
         self.thread.join(timeout=10)
         self.inflight.fail_all("the stage was shut down")
 

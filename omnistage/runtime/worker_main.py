@@ -50,10 +50,10 @@ def serve(spec: control.WorkerSpec) -> int:
     receiver: threading.Thread | None = None
     try:
         try:
-            from omnistage.runtime.launch import build_pipeline
+            from omnistage.families.registry import load_pipeline
             from omnistage.runtime.worker import EngineLoop
 
-            engine = build_pipeline(spec.model, spec.deploy).build_engine(spec.stage, spec.devices)
+            engine = load_pipeline(spec.model, spec.deploy).build_engine(spec.stage, spec.devices)
             links = [open_link(spec.inbox), open_link(spec.outbox)]
         except Exception as exc:
             emit(control.Failed(f"{type(exc).__name__}: {exc}"))
@@ -112,6 +112,7 @@ def serve(spec: control.WorkerSpec) -> int:
 
 def _receive(sock: zmq.Socket, inbox: control.Link, loop: Any, stopping: threading.Event) -> None:
     """Control messages -> loop commands, until Stop."""
+    from omnistage.runtime.worker import Abort, AddChunk, AddRequest, Fail, Stop
     from omnistage.types import StageOutput
 
     try:
@@ -120,23 +121,23 @@ def _receive(sock: zmq.Socket, inbox: control.Link, loop: Any, stopping: threadi
                 continue
             msg, frames = control.recv(sock)
             if isinstance(msg, control.Stop):
-                loop.commands.put(("stop", None))
+                loop.commands.put(Stop())
                 return
             if isinstance(msg, control.Abort):
-                loop.commands.put(("abort", msg.request_id))
+                loop.commands.put(Abort(msg.request_id))
                 continue
             try:
                 inp = inbox.decode(msg.item, frames)
             except Exception as exc:  # a payload that never arrived fails its request, not the stage
                 rid = msg.request_id if isinstance(msg, control.Chunk) else (msg.item.key or ("?",))[0]
-                loop.commands.put(("abort", rid))
-                loop.commands.put(("fail", StageOutput.failure(
+                loop.commands.put(Abort(rid))
+                loop.commands.put(Fail(StageOutput.failure(
                     rid, loop.stage, f"stage {loop.stage!r} could not read its input: {exc}")))
                 continue
             if isinstance(msg, control.Add):
-                loop.commands.put(("add", inp))
+                loop.commands.put(AddRequest(inp))
             else:
-                loop.commands.put(("chunk", (msg.request_id, inp)))
+                loop.commands.put(AddChunk(msg.request_id, inp))
     finally:
         sock.close()
 
@@ -171,7 +172,7 @@ def main() -> None:
     code = serve(spec)  # returns once its messages are flushed and its links closed
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown (torch's takes about a second)
+    os._exit(code)  # skip interpreter teardown (torch's is slow); everything is flushed and closed
 
 
 if __name__ == "__main__":

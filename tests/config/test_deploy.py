@@ -6,7 +6,7 @@ from omnistage.config.deploy import StageConfig, load_deploy_config
 from omnistage.engine.ar.engine import ARAdvanced, AREngineConfig
 from omnistage.errors import ConfigError
 from omnistage.families.registry import detect_family
-from omnistage.runtime.launch import build_pipeline
+from omnistage.families.registry import load_pipeline as build_pipeline
 
 
 @pytest.mark.parametrize(

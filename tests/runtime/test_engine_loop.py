@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from omnistage.runtime.worker import EngineLoop
+from omnistage.runtime.worker import AddChunk, AddRequest, EngineLoop, Stop
 from omnistage.types import StageInput, StageOutput
 
 
@@ -48,18 +48,37 @@ class TimedEngine:
 def test_a_flood_of_chunks_does_not_hold_off_steps() -> None:
     engine = TimedEngine()
     loop = EngineLoop("talker", engine, report=lambda outputs, stats: None)
-    loop.commands.put(("add", StageInput("r")))
+    loop.commands.put(AddRequest(StageInput("r")))
     for _ in range(60):  # 60 ms of chunks, all queued before the loop runs
-        loop.commands.put(("chunk", ("r", StageInput("r", final=False))))
+        loop.commands.put(AddChunk("r", StageInput("r", final=False)))
     thread = threading.Thread(target=loop.run)
     thread.start()
     deadline = time.monotonic() + 30
     while engine.events.count("chunk") < 60 and time.monotonic() < deadline:
         time.sleep(0.01)
-    loop.commands.put(("stop", None))
+    loop.commands.put(Stop())
     thread.join(10)
     assert engine.events.count("chunk") == 60, "every chunk is applied, in order"
     first_steps = engine.events[: engine.events.index("chunk") + 30]
-    assert first_steps.count("step") >= 3, engine.events[:40]  # before: all 60 chunks first, then the steps
+    assert first_steps.count("step") >= 3, engine.events[:40]  # not all 60 chunks first, then the steps
     stats = loop.stats()
     assert stats["command_seconds"] > 0.05 and stats["steps"] >= 3
+
+
+def test_commands_are_applied_by_type() -> None:
+    """A Batch applies its commands in order; Fail reports its output as it is; Abort reaches the engine; anything
+    else is refused rather than dropped."""
+    import pytest
+
+    from omnistage.runtime.worker import Abort, Batch, Fail
+
+    engine = TimedEngine()
+    loop = EngineLoop("talker", engine, report=lambda outputs, stats: None)
+    assert loop._apply(Batch([AddRequest(StageInput("r")), AddChunk("r", StageInput("r", final=False))])) == []
+    assert engine.pending_steps == 50 and engine.events == ["chunk"]
+    failure = StageOutput.failure("r", "talker", "could not read its input")
+    assert loop._apply(Fail(failure)) == [failure]
+    loop._apply(Abort("r"))
+    assert engine.pending_steps == 0
+    with pytest.raises(TypeError, match="not an engine loop command"):
+        loop._apply(("add", StageInput("r")))

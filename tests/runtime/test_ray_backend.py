@@ -12,7 +12,8 @@ import torch
 
 from omnistage import Omni, SamplingParams
 from omnistage.errors import ConfigError
-from omnistage.runtime.launch import build_pipeline, ray_gpu_shares
+from omnistage.families.registry import load_pipeline
+from omnistage.runtime.launch import ray_gpu_shares
 
 from .two_stage_family import make_two_stage_checkpoint, two_stage_plugin
 
@@ -51,7 +52,7 @@ def test_gpu_layout_shares_a_gpu_per_device_id_and_replica(two_stage_path: str) 
     """Device ids are a layout on Ray: the stages of replica r naming the same first id share one GPU in equal
     parts; further replicas get GPUs of their own; CPU stages and GPU-less clusters reserve none."""
     def layout(stages: dict, has_gpus: bool = True):
-        return ray_gpu_shares(build_pipeline(two_stage_path, {"stages": stages}), has_gpus)
+        return ray_gpu_shares(load_pipeline(two_stage_path, {"stages": stages}), has_gpus)
 
     assert layout({}) == ([("0", 0)], {("draft", 0): (0, 0.5), ("refine", 0): (0, 0.5)})
     assert layout({}, has_gpus=False) == ([], {})
@@ -66,9 +67,9 @@ def test_gpu_layout_shares_a_gpu_per_device_id_and_replica(two_stage_path: str) 
 def test_the_shipped_omni_configs_fit_their_gpus_on_ray(tiny_qwen2_5_omni: str) -> None:
     """1gpu.yaml's three stages fit one GPU (thirds that Ray can add up to at most 1), 2gpu.yaml's two."""
     configs = Path(__file__).parents[2] / "configs" / "qwen2_5_omni"
-    bundles, shares = ray_gpu_shares(build_pipeline(tiny_qwen2_5_omni, configs / "1gpu.yaml"), has_gpus=True)
+    bundles, shares = ray_gpu_shares(load_pipeline(tiny_qwen2_5_omni, configs / "1gpu.yaml"), has_gpus=True)
     assert bundles == [("0", 0)] and {f for _, f in shares.values()} == {0.3333}
-    bundles, shares = ray_gpu_shares(build_pipeline(tiny_qwen2_5_omni, configs / "2gpu.yaml"), has_gpus=True)
+    bundles, shares = ray_gpu_shares(load_pipeline(tiny_qwen2_5_omni, configs / "2gpu.yaml"), has_gpus=True)
     assert len(bundles) == 2 and shares[("talker", 0)] == (bundles.index(("1", 0)), 1.0)
 
 

@@ -92,6 +92,7 @@ def test_one_steps_sends_reach_a_stage_together(two_stage_path: str, monkeypatch
     """The draft's outputs of one step (three requests) reach refine in one hand-over, results unchanged; an
     input still waiting in that hand-over when its request fails is dropped rather than sent after the abort."""
     from omnistage.runtime.orchestrator import _RequestState
+    from omnistage.runtime.worker import AddChunk, AddRequest
     from omnistage.types import StageInput
 
     deploy = {"worker_backend": "inline", "async_chunk": True, "stages": {"*": {"max_model_len": 128}}}
@@ -111,9 +112,9 @@ def test_one_steps_sends_reach_a_stage_together(two_stage_path: str, monkeypatch
         kept, dropped = StageInput("kept"), StageInput("dropped")
         state = _RequestState(OmniRequest(request_id="dropped", prompt="x"), sink=lambda out: None, stages=[],
                               pending_outputs=set())
-        orchestrator._outbox = {refine: [("add", kept), ("add", dropped), ("chunk", ("dropped", dropped))]}
+        orchestrator._outbox = {refine: [AddRequest(kept), AddRequest(dropped), AddChunk("dropped", dropped)]}
         orchestrator._release(state, abort=True)
-        assert orchestrator._outbox[refine] == [("add", kept)]
+        assert orchestrator._outbox[refine] == [AddRequest(kept)]
         orchestrator._outbox = None
 
 
@@ -149,9 +150,9 @@ def test_a_stage_refusing_a_hand_over_fails_those_requests_only(two_stage_path: 
 
 def test_start_up_objects_leave_the_collectors_scans(two_stage_path: str) -> None:
     """Once every stage is ready, what start-up made (models, tokenizers, engines) is frozen out of the cyclic
-    collector's scans: a full collection while serving then holds every stage's thread for milliseconds, not
-    the quarter second measured with them in (benchmarks/results/omni_qwen2_5.md, run 11c). Inline, so the engine
-    is an object of this process (a GPU machine's default backend is a process per stage)."""
+    collector's scans: a full collection while serving, which holds every stage's thread, then does not walk
+    them. Inline, so the engine is an object of this process (a GPU machine's default backend is a process
+    per stage)."""
     gc.unfreeze()
     try:
         deploy = {"worker_backend": "inline", "stages": {"*": {"max_model_len": 128, "block_size": 4}}}

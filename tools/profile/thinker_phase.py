@@ -67,7 +67,7 @@ async def one_request(engine: AsyncOmni, params: dict, modalities: tuple[str, ..
 def engine_only(path: Path, deploy: dict, params: dict, requests: int, record) -> None:
     """The thinker's AR engine stepped alone on a speech request's input: ms a token with the hidden states the
     talker needs (`hidden`) and without (`plain`), alternating."""
-    from omnistage.runtime.launch import build_pipeline
+    from omnistage.families.registry import load_pipeline as build_pipeline
 
     pipeline = build_pipeline(path, deploy)
     engine = pipeline.build_engine("thinker")
@@ -99,7 +99,7 @@ def prefill(path: Path, deploy: dict, params: dict, requests: int, record) -> No
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from omnistage.runtime.launch import build_pipeline
+    from omnistage.families.registry import load_pipeline as build_pipeline
 
     pipeline = build_pipeline(path, deploy)
     engine = pipeline.build_engine("thinker")

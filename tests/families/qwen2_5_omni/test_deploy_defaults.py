@@ -18,7 +18,7 @@ from omnistage.families.qwen2_5_omni import (
     dit_dtype,
     models,
 )
-from omnistage.runtime.launch import build_pipeline
+from omnistage.families.registry import load_pipeline as build_pipeline
 
 pytest.importorskip("torchvision", reason="Qwen2.5-Omni's processor needs torchvision (installed by scripts/test)")
 STAGES = ("thinker", "talker", "token2wav")

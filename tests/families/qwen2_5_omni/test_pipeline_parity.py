@@ -474,7 +474,7 @@ def test_token2wav_default_windows_follow_the_dit_blocks(tiny_qwen2_5_omni: str,
 def test_token2wav_dtype_sets_the_dit_precision_only(tiny_qwen2_5_omni: str) -> None:
     """`stages.token2wav.dtype: bfloat16` puts the DiT in bfloat16; the vocoder and the audio stay float32,
     near the float32 decode (measured 5.0% RMS on these random weights; 0.6% on the released layout)."""
-    from omnistage.runtime.launch import build_pipeline
+    from omnistage.families.registry import load_pipeline as build_pipeline
 
     messages = [{"role": "user", "content": "Tell me a story."}]
     params = {"thinker": SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
