@@ -20,7 +20,6 @@ from omnistage.config.deploy import ConnectorConfig, did_you_mean
 from omnistage.devices import on_device, resolve_device
 from omnistage.errors import ConfigError, StageError
 from omnistage.families.base import Pipeline
-from omnistage.families.registry import load_pipeline
 from omnistage.runtime import control
 from omnistage.runtime.connector import curve_key
 from omnistage.runtime.orchestrator import Orchestrator
