@@ -1,7 +1,7 @@
 """A fused forward for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3), on the HF modules' own weights.
 
-The profile of a batch-1 decode step on an H200 showed a fifth of the GPU time in tiny elementwise
-kernels between the GEMMs. This forward keeps the weights where transformers put them but runs
+Between the GEMMs of a decode step, transformers' layers launch many tiny elementwise kernels, each a
+launch and a round trip through memory. This forward keeps the weights where transformers put them but runs
 each layer as: add+RMSNorm, one QKV GEMM that also applies the rotary and writes K/V to the cache,
 paged attention, O GEMM, add+RMSNorm, one gate-up GEMM with SiLU-mul, down GEMM. Decode batches of
 ≤ 16 rows on CUDA take `skinny_gemm`'s kernels instead of cuBLAS; O and down leave split-K partial
