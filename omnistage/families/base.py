@@ -45,6 +45,7 @@ class Pipeline:
     tokenizer: Any = None  # entry stage's tokenizer, if it has one
     max_model_len: int = 0  # entry stage's context length
     audio_sample_rate: ClassVar[int | None] = None  # the rate of the audio it outputs, if it outputs audio
+    input_modalities: ClassVar[tuple[str, ...]] = ("text",)  # what a request's messages may carry
 
     @property
     def entry(self) -> str:

@@ -32,6 +32,7 @@ class TextPipeline(Pipeline):
             return self.tokenizer.encode(request.prompt, add_special_tokens=True)
         if not request.messages:
             raise RequestError("messages must contain at least one message", "messages")
+        self.refuse_media(request.messages)
         if self.tokenizer.chat_template is None:
             raise RequestError("this model has no chat template; use /v1/completions with a prompt", "messages")
         try:
@@ -40,6 +41,18 @@ class TextPipeline(Pipeline):
             ))
         except Exception as exc:  # template errors are the caller's messages' fault
             raise RequestError(f"could not apply the chat template to these messages: {exc}", "messages") from None
+
+    def refuse_media(self, messages: list[dict[str, Any]]) -> None:
+        """A part the model cannot take is an error, never silently dropped (the chat template would)."""
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    accepted = ", ".join(self.input_modalities)
+                    raise RequestError(f"messages[{i}].content[{j}] is a {kind!r} part, but this model accepts "
+                                       f"only {accepted} input; remove the part or serve a model that takes it",
+                                       f"messages[{i}].content[{j}]")
 
     def entry_params(self, request: OmniRequest) -> SamplingParams:
         defaults = self.stage_config(self.entry).sampling_params()

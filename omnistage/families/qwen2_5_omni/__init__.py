@@ -6,6 +6,7 @@ Requests for text only never touch the talker or token2wav. See models.py for wh
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -32,6 +33,9 @@ SPEECH_SYSTEM_PROMPT = (
     "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving auditory "
     "and visual inputs, as well as generating text and speech."
 )
+# Speech allowed per text token the thinker may write: several times what the trained model speaks, so only
+# runaway talking (random weights, a talker that misses its end code) is cut.
+SECONDS_PER_TEXT_TOKEN = 1.0
 _MEDIA_TENSORS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid", "use_audio_in_video")
 
 
@@ -41,14 +45,13 @@ class OmniPipeline(TextPipeline):
     voices: tuple[str, ...] = ()
     voice_bos: dict[str, int] | None = None
     audio_sample_rate: ClassVar[int | None] = models.SAMPLE_RATE
+    input_modalities: ClassVar[tuple[str, ...]] = ("text", "image", "audio", "video")
 
     # ---- the caller's request -> the thinker's input ------------------------------------------
 
     def preprocess(self, request: OmniRequest) -> StageInput:
         speech = "audio" in request.output_modalities
-        voice = request.options.get("voice") or (self.voices[0] if self.voices else None)
-        if speech and voice not in self.voices:
-            raise RequestError(f"unknown voice {voice!r}; this model has {list(self.voices)}", "audio.voice")
+        voice = self.voice_named(request.options.get("voice")) if speech else None
         use_audio_in_video = bool(request.options.get("use_audio_in_video", False))
         messages, media, media_kwargs = self._split_media(request, use_audio_in_video)
         if speech and messages[0].get("role") != "system":
@@ -166,12 +169,35 @@ class OmniPipeline(TextPipeline):
                               sample_rate=self.audio_sample_rate)
         return super().to_output(stage, out)
 
+    def voice_named(self, name: str | None) -> str | None:
+        """The checkpoint's voice `name` names, matched case-insensitively; None: its first voice."""
+        if not name:
+            return self.voices[0] if self.voices else None
+        for voice in self.voices:
+            if voice.lower() == name.lower():
+                return voice
+        raise RequestError(f"unknown voice {name!r}; this model has {list(self.voices)}", "audio.voice")
+
     def talker_params(self, request: OmniRequest) -> SamplingParams:
         """The talker never samples what token2wav cannot decode: codec ids past the DiT's code embedding
         other than the two stop codes (a trained talker does not either; random weights would, and token2wav
-        would fail the request), nor the codec start code."""
+        would fail the request), nor the codec start code. Its code budget is the speech bound."""
         params = request.stage_params.get("talker") or self.stage_config("talker").sampling_params()
-        return params.with_overrides(bad_token_ids=sorted({*params.bad_token_ids, *self.undecodable_codes}))
+        return params.with_overrides(bad_token_ids=sorted({*params.bad_token_ids, *self.undecodable_codes}),
+                                     max_tokens=self.speech_codes(request, params.max_tokens))
+
+    def speech_codes(self, request: OmniRequest, talker_max: int | None) -> int | None:
+        """The most codes the talker may speak for `request`: the least of the talker's `max_tokens`, the
+        request's `audio.max_duration_s` in codes, and SECONDS_PER_TEXT_TOKEN of speech per reply token the
+        thinker may write (so a short `max_tokens` gives short speech). None: until the talker's context ends."""
+        rate = models.SAMPLE_RATE / (models.Token2Wav.HOP * self.config.token2wav_config.dit_config.repeats)
+        bounds = [talker_max] if talker_max is not None else []
+        if (seconds := request.options.get("max_duration_s")) is not None:
+            bounds.append(max(1, math.ceil(seconds * rate)))
+        thinker = request.pipeline_state[HANDOFF].thinker_input.params if HANDOFF in request.pipeline_state else None
+        if thinker is not None and thinker.max_tokens is not None:
+            bounds.append(max(1, math.ceil(thinker.max_tokens * SECONDS_PER_TEXT_TOKEN * rate)))
+        return min(bounds) if bounds else None
 
     @functools.cached_property
     def codec_stops(self) -> frozenset[int]:
