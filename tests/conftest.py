@@ -49,3 +49,14 @@ def tiny_qwen2_5_omni() -> str:
 def tiny_lm(request: pytest.FixtureRequest) -> str:
     """Parametrized over every tiny architecture; tests using it run once per arch."""
     return str(tiny_checkpoint(request.param))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-requests", type=int, default=1000,
+                     help="mutated requests the reliability fuzz sends to the causal-LM server (a quarter, at least "
+                     "200, to Qwen2.5-Omni)")
+
+
+@pytest.fixture
+def fuzz_requests(request: pytest.FixtureRequest) -> int:
+    return request.config.getoption("--fuzz-requests")
