@@ -36,3 +36,9 @@ class ConfigError(OmniError, ValueError):
 
     status = 500
     type = "config_error"
+
+
+def stage_failure(stage: str, scope: str = "this request") -> str:
+    """What a caller is told when `stage` failed unexpectedly: the stage, never the exception (its type, text and
+    the addresses in it are for the server log, which gets the traceback)."""
+    return f"stage {stage!r} failed on {scope}; the server log has the details"

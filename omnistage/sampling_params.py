@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from omnistage.errors import RequestError
 
@@ -22,13 +24,56 @@ VLLM_IGNORED_FIELDS = frozenset({
 VLLM_CHECKED_FIELDS = frozenset({"n", "best_of", "logit_bias", "bad_words"})
 
 
+# Bounds every entry point enforces (the engines rely on them).
+MAX_LOGPROBS = 20  # vLLM's max_logprobs
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512  # a streamed reply holds back this much text while it may be a stop string
+MAX_TOKEN_IDS = 4096  # per list (stop_token_ids, bad_token_ids)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (vLLM: int64; also 0..2**64-1)
+
+_OPTIONAL_INTS = ("max_tokens", "seed", "logprobs")  # None means: the default behaviour
+_INTS = ("min_tokens", "top_k")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_ID_LISTS = ("stop_token_ids", "bad_token_ids")
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A caller's value, as an error message may echo it: never longer than `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class InvalidParams(RequestError):
-    """A sampling parameter is out of range; the message says which and how to fix it."""
+    """A sampling parameter has the wrong type or is out of range; the message names it and says why.
+    `why` and `value` are kept so an entry point can name the field by its own path (`at`)."""
+
+    def __init__(self, name: str, value: Any, why: str):
+        super().__init__(f"{name}={short_repr(value)} is invalid: {why}", name)
+        self.name, self.value, self.why = name, value, why
+
+    def at(self, path: str, note: str = "") -> InvalidParams:
+        """The same error named by the field's path in a request, e.g. `sampling_params_list[1].stop_token_ids`;
+        `note` is appended (which stage the entry is for)."""
+        err = InvalidParams(self.name, self.value, self.why)
+        err.param = f"{path}.{self.name}" if path else self.name
+        err.message = f"{err.param}: {self.why} (got {short_repr(self.value)}){note}"
+        err.args = (err.message,)
+        return err
 
 
 @dataclass
 class SamplingParams:
-    """How one AR stage samples for one request. `temperature == 0` means greedy."""
+    """How one AR stage samples for one request. `temperature == 0` means greedy.
+
+    Construction validates types strictly (a list of ints is a list of ints, a bool is a bool) and ranges, so
+    every entry point (HTTP fields, `sampling_params_list`, the Python API, deploy defaults) shares one schema
+    and nothing unchecked reaches an engine. Token ids are checked against a vocabulary where one is known
+    (`check_token_ids`)."""
 
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -39,7 +84,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # any int in [SEED_MIN, SEED_MAX]; the generator takes it modulo 2**64
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     bad_token_ids: list[int] = field(default_factory=list)  # never sampled (e.g. a talker's control codes)
@@ -68,8 +113,37 @@ class SamplingParams:
         return self.greedy and self.logprobs is None and not self.bad_token_ids and not self.penalised
 
     def validate(self) -> None:
+        """Types, then ranges; normalises numbers (ints where floats are asked become floats) and sequences
+        (tuples become lists). Raises InvalidParams naming the first bad field."""
+
         def bad(name: str, why: str) -> InvalidParams:
-            return InvalidParams(f"{name}={getattr(self, name)!r} is invalid: {why}", name)
+            return InvalidParams(name, getattr(self, name), why)
+
+        for name in _OPTIONAL_INTS + _INTS:
+            value = getattr(self, name)
+            if not (_is_int(value) or (value is None and name in _OPTIONAL_INTS)):
+                raise bad(name, "must be an integer" + (" or null" if name in _OPTIONAL_INTS else ""))
+        for name in _FLOATS:
+            value = getattr(self, name)
+            if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise bad("stop", "must be a string or a list of strings")
+        for name in _ID_LISTS:
+            ids = getattr(self, name)
+            if isinstance(ids, tuple):
+                setattr(self, name, ids := list(ids))
+            if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+                raise bad(name, "must be a list of integer token ids")
+            if len(ids) > MAX_TOKEN_IDS:
+                raise bad(name, f"at most {MAX_TOKEN_IDS} token ids")
+            if any(t < 0 for t in ids):
+                raise bad(name, "token ids must be >= 0")
 
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", "must be at least 1")
@@ -90,12 +164,38 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "must be in [0, 20]")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise bad("seed", f"must be in [{SEED_MIN}, {SEED_MAX}]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
-        if len(self.stop) > 16:
-            raise bad("stop", "at most 16 stop strings")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad("stop", f"a stop string has at most {MAX_STOP_STRING_CHARS} characters")
+        for name in _FLOATS:
+            setattr(self, name, float(getattr(self, name)))
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Token ids the caller gave must be ids of the stage's vocabulary (the sampler indexes its logits by
+        them)."""
+        for name in _ID_LISTS:
+            if any(t >= vocab_size for t in getattr(self, name)):
+                raise InvalidParams(name, getattr(self, name), f"token ids must be in [0, {vocab_size}), this "
+                                    "stage's vocabulary")
+
+    def with_seed_offset(self, offset: int) -> SamplingParams:
+        """Choice `offset` of an n-way fan-out: seed + offset, wrapped into the seed range (unseeded: as is)."""
+        if not offset or self.seed is None:
+            return self
+        seed = self.seed + offset
+        return replace(self, seed=seed % 2**64 if seed > SEED_MAX else seed)  # the generator's seed is mod 2**64
+
+    @property
+    def generator_seed(self) -> int | None:
+        """The seed as torch.Generator.manual_seed takes it: the same 64 bits whatever the sign."""
+        return None if self.seed is None else self.seed % 2**64
 
     def with_overrides(self, **overrides) -> SamplingParams:
         known = {f.name for f in fields(self)}

@@ -53,6 +53,7 @@ class Ready(msgspec.Struct, tag="ready"):
     pid: int
     command_address: str  # where the orchestrator connects to send commands
     inbox_address: str | None = None  # tcp inbox: where the orchestrator pushes payloads
+    vocab_size: int | None = None  # an AR stage's vocabulary, for checking requests' token ids at admission
 
 
 class Failed(msgspec.Struct, tag="failed"):

@@ -17,9 +17,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omnistage.errors import OmniError, RequestError, StageError
+from omnistage.config.deploy import did_you_mean
+from omnistage.errors import OmniError, RequestError, StageError, stage_failure
 from omnistage.families.base import Pipeline
 from omnistage.runtime.worker import AddChunk, AddRequest, ExitCallback, OutputCallback, StageWorker
+from omnistage.sampling_params import InvalidParams, SamplingParams
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageMetrics, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class Orchestrator:
                 f"{list(self.pipeline.output_modalities)}",
                 "modalities",
             )
+        self._check_stage_params(request)
         entry_input = self.pipeline.preprocess(request)
         stages = self.pipeline.route(request.output_modalities)
         outputs = {s for s in stages if self.outputs_of[s] & set(request.output_modalities)}
@@ -100,6 +103,30 @@ class Orchestrator:
                 raise RequestError(f"request id {request.request_id!r} is already in flight", "request_id")
             self._send(state, self.pipeline.entry, entry_input)  # StageError (503) if no replica is up
             self.requests[request.request_id] = state
+
+    def _check_stage_params(self, request: OmniRequest) -> None:
+        """Per-stage params must name a stage of this pipeline ('*': the entry stage) and be valid SamplingParams
+        (checked again: a caller may have changed them since they were built), their token ids in the stage's
+        vocabulary."""
+        names = [s.name for s in self.pipeline.stages]
+        for name, params in request.stage_params.items():
+            where = f"stage_params[{name!r}]"
+            if name != "*" and name not in names:
+                raise RequestError(f"{where}: this model has no stage {name!r} (its stages: {', '.join(names)}; "
+                                   f"'*' means the entry stage){did_you_mean(name, names)}", "stage_params")
+            if not isinstance(params, SamplingParams):
+                raise RequestError(f"{where} must be a SamplingParams, not {type(params).__name__}", "stage_params")
+            try:
+                params.validate()
+                if (vocab := self.vocab_size(name)) is not None:
+                    params.check_token_ids(vocab)
+            except InvalidParams as exc:
+                raise exc.at(where) from None
+
+    def vocab_size(self, stage: str) -> int | None:
+        """The vocabulary of `stage` ('*': the entry stage), as its engine reported it (AR stages); else None."""
+        workers = self.workers.get(self.pipeline.entry if stage == "*" else stage, [])
+        return next((w.vocab_size for w in workers if getattr(w, "vocab_size", None)), None)
 
     def abort(self, request_id: str) -> None:
         with self.lock:
@@ -163,14 +190,18 @@ class Orchestrator:
             release()
 
     def _on_exit(self, stage: str, replica: int, why: str) -> None:
-        """A replica died (its requests have failed already): restart it in the background."""
+        """A replica died (its requests have failed already): restart it in the background. Called by the dying
+        worker, whose thread may still run: what tells a restart done meanwhile is another worker in its place."""
         if self.closed or self.restarts[(stage, replica)] >= self.pipeline.deploy.max_restarts:
+            logger.error("stage %r replica %d died (%s) and is not restarted (max_restarts=%d)", stage, replica,
+                         why, self.pipeline.deploy.max_restarts)
             return
+        dead = self.workers[stage][replica]
 
         def restart() -> None:
             try:
                 with self._restarting:
-                    if self.workers[stage][replica].is_alive():
+                    if self.workers[stage][replica] is not dead:
                         return  # somebody restarted it meanwhile
                     self._restart(stage, replica)
                 logger.warning("stage %r replica %d restarted after: %s", stage, replica, why)
@@ -236,13 +267,12 @@ class Orchestrator:
             worker.add_many(commands)
         except Exception as exc:  # the stage could not take them: those requests fail, the others go on
             logger.exception("stage %r could not take its inputs", worker.stage)
-            status = exc.status if isinstance(exc, OmniError) else 500
+            known = isinstance(exc, OmniError)  # our own message; anything else stays in the log
+            message = exc.message if known else stage_failure(worker.stage)
             for rid in {c.request_id for c in commands}:
                 state = self.requests.get(rid)
                 if state is not None:
-                    self._finish(state, OmniOutput.failure(
-                        rid, f"stage {worker.stage!r} could not take the request: {exc}", status),
-                                 abort=True)
+                    self._finish(state, OmniOutput.failure(rid, message, exc.status if known else 500), abort=True)
 
     def _route(self, state: _RequestState, stage: str, out: StageOutput) -> None:
         metrics = state.metrics[stage]

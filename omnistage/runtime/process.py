@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from omnistage.errors import StageError
+from omnistage.errors import StageError, stage_failure
 from omnistage.runtime import control
 from omnistage.runtime.connector import LinkSpec, dial_securely, open_link, serve_securely
 from omnistage.runtime.worker import ExitCallback, InFlight, OutputCallback
@@ -98,8 +98,9 @@ class RayActor:
             return None
         try:
             return f"its Ray actor returned {self._ray.get(self.ref)}"
-        except Exception as exc:
-            return f"its Ray actor died: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        except Exception:
+            logger.exception("a Ray stage actor died")  # the reason stays in the log
+            return "its Ray actor died"
 
     def stop(self, grace: float) -> None:
         self._ray.wait([self.ref], timeout=grace)
@@ -143,6 +144,7 @@ class ProcessStageWorker:
         self.stage, self.replica = stage, replica
         self.inflight = InFlight(stage, replica, on_outputs)
         self.on_exit = on_exit
+        self.vocab_size: int | None = None  # set by its Ready message
         self._stats: dict[str, Any] = {}
         self._ready = threading.Event()
         self._dead: str | None = None
@@ -227,7 +229,7 @@ class ProcessStageWorker:
                 control.send(self._commands, control.Stop())
         self.handle.stop(grace)
         self._thread.join(timeout=5)
-        self._died("the stage was shut down")
+        self._died("was shut down")
         self._close()
         _LIVE.discard(self)
 
@@ -260,13 +262,14 @@ class ProcessStageWorker:
                 if not self._events.poll(100):
                     why = self.handle.exit_reason()
                     if why is not None:
-                        self._died(f"{why}; {self._failure}" if self._failure else why)
+                        self._died(why, self._failure)
                         return
                     continue
                 msg, frames = control.recv(self._events)
                 if isinstance(msg, control.Outputs):
                     self._on_outputs(msg, frames)
                 elif isinstance(msg, control.Ready):
+                    self.vocab_size = msg.vocab_size
                     with self._lock:
                         self._commands.connect(msg.command_address)
                         if msg.inbox_address:
@@ -283,23 +286,26 @@ class ProcessStageWorker:
         for item in msg.items:
             try:
                 outputs.append(self.outbox.decode(item, frames))
-            except Exception as exc:  # its request fails; the stage goes on
+            except Exception:  # its request fails; the stage goes on
                 rid = item.key[0] if item.key else "?"
-                outputs.append(StageOutput.failure(
-                    rid, self.stage, f"output of stage {self.stage!r} was lost: {exc}"))
+                logger.exception("stage %r: an output of request %r was lost", self.stage, rid)
+                outputs.append(StageOutput.failure(rid, self.stage, stage_failure(self.stage)))
         if msg.stats is not None:
             self._stats = msg.stats
         self.inflight.deliver(outputs)
 
-    def _died(self, why: str) -> None:
+    def _died(self, why: str, account: str | None = None) -> None:
+        """`why`: how it ended (its exit, ours to word); `account`: the worker's own report, which may quote an
+        exception, so it goes to the log and to start-up errors, never to a request's caller."""
+        detail = f"{why}; {account}" if account else why
         with self._lock:
             if self._dead is not None:
                 return
-            self._dead = why
+            self._dead = detail
         was_ready = self._ready.is_set()
         if was_ready and not self._stopping:
-            logger.error("stage %r replica %d died: %s", self.stage, self.replica, why)
-        self.inflight.fail_all(why)
+            logger.error("stage %r replica %d died: %s", self.stage, self.replica, detail)
+        self.inflight.fail_all(why if self._stopping else f"stopped: {why}; the server log has the details")
         if was_ready and not self._stopping and self.on_exit is not None:
             self.on_exit(self.stage, self.replica, why)
 

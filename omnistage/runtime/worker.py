@@ -23,7 +23,7 @@ import torch
 
 from omnistage.devices import on_device
 from omnistage.engine.base import Engine
-from omnistage.errors import OmniError
+from omnistage.errors import OmniError, stage_failure
 from omnistage.types import StageInput, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class StageWorker(Protocol):
 
     stage: str
     replica: int
+    vocab_size: int | None  # an AR stage's vocabulary (the logits' width) once it is ready; None otherwise
 
     def add_request(self, inp: StageInput) -> None: ...
 
@@ -131,12 +132,16 @@ class EngineLoop:
 
         Commands are applied in arrival order, but while the engine has work for at most about as long as its
         last step took (and at least one): a stream of input chunks (a talker fed a row per request per thinker
-        step) then shares the thread with steps instead of holding them off until it dries up."""
+        step) then shares the thread with steps instead of holding them off until it dries up. An abort does not
+        wait in that backlog: it is applied as soon as it is taken off the queue (`_abort_early`)."""
         self.report([], self.stats())
         backlog, last_step = self.backlog, 0.0
         while True:
             outputs: list[StageOutput] = []
-            backlog += self._drain(block=not backlog and not self.engine.has_work())
+            arrived = self._drain(block=not backlog and not self.engine.has_work())
+            backlog += arrived
+            if any(isinstance(c, Abort) for c in arrived):
+                outputs += self._abort_early()
             start = time.perf_counter()
             budget = start + max(self.MIN_APPLY_SECONDS, last_step)
             while backlog:
@@ -167,26 +172,59 @@ class EngineLoop:
                 "commands_queued": self.commands.qsize() + len(self.backlog)}
 
     def _apply(self, command: Any) -> list[StageOutput]:
+        """A request's command that raises fails that request alone (the engine drops what it holds of it)."""
         match self.receive(command):
             case AddRequest(inp=inp):
                 try:
                     self.engine.add_request(inp)
-                except Exception as exc:  # a bad request must not take the stage down
-                    return [StageOutput.failure(
-                        inp.request_id, self.stage, f"stage {self.stage!r} rejected the request: {exc}",
-                        exc.status if isinstance(exc, OmniError) else 500,
-                    )]
+                except Exception as exc:
+                    return [self._failed(inp.request_id, exc, "rejected the request")]
             case AddChunk(request_id=request_id, chunk=chunk):
-                self.engine.add_input_chunk(request_id, chunk)
+                try:
+                    self.engine.add_input_chunk(request_id, chunk)
+                except Exception as exc:
+                    return [self._failed(request_id, exc, "could not take an input chunk")]
             case Batch(commands=commands):
                 return [out for c in commands for out in self._apply(c)]
             case Abort(request_id=request_id):
-                self.engine.abort(request_id)
+                try:
+                    self.engine.abort(request_id)
+                except Exception:
+                    logger.exception("stage %r: aborting request %r failed", self.stage, request_id)
             case Fail(output=output):
                 return [output]
             case other:
                 raise TypeError(f"stage {self.stage!r}: not an engine loop command: {other!r}")
         return []
+
+    def _abort_early(self) -> list[StageOutput]:
+        """Apply the backlog's aborts now, and drop the commands of each aborted request queued before its abort
+        (behind a stream of chunks an abort would otherwise wait as long as they take, and the request's state
+        be freed that late). Commands after an abort (a new request reusing the id) stay, in order."""
+        kept: list[Any] = []
+        aborted: set[str] = set()  # aborted later in the queue than the command at hand
+        for command in reversed(self.backlog):
+            if isinstance(command, Abort):
+                aborted.add(command.request_id)
+            elif (command := _without(command, aborted)) is not None:
+                kept.append(command)
+        self.backlog.clear()
+        self.backlog.extend(reversed(kept))
+        return [out for rid in aborted for out in self._apply(Abort(rid))]
+
+    def _failed(self, request_id: str, exc: Exception, what: str) -> StageOutput:
+        """The failure of one request: an OmniError's own message (a RequestError says what to fix), else a
+        message naming the stage only (the traceback goes to the log)."""
+        if isinstance(exc, OmniError):
+            message, status = f"stage {self.stage!r} {what}: {exc.message}", exc.status
+        else:
+            logger.error("stage %r %s (request %r)", self.stage, what, request_id, exc_info=exc)
+            message, status = stage_failure(self.stage), 500
+        try:
+            self.engine.abort(request_id)  # what it may hold of the request
+        except Exception:
+            logger.exception("stage %r: aborting request %r failed", self.stage, request_id)
+        return StageOutput.failure(request_id, self.stage, message, status)
 
     def _drain(self, block: bool) -> list[Any]:
         commands = [self.commands.get()] if block else []
@@ -195,6 +233,24 @@ class EngineLoop:
                 commands.append(self.commands.get_nowait())
             except queue.Empty:
                 return commands
+
+
+def _without(command: Any, request_ids: set[str]) -> Any:
+    """`command` without the parts for `request_ids` (None: nothing is left of it); other commands as they are."""
+    if not request_ids:
+        return command
+    match command:
+        case AddRequest(inp=inp) if inp.request_id in request_ids:
+            return None
+        case AddChunk(request_id=rid) | Fail(output=StageOutput(request_id=rid)) if rid in request_ids:
+            return None
+        case Batch(commands=commands):
+            kept = [c for c in commands if _without(c, request_ids) is not None]
+            return Batch(kept) if kept else None
+        case _Written(command=inner):
+            inner = _without(inner, request_ids)
+            return None if inner is None else _Written(inner, command.tensors, command.event)
+    return command
 
 
 class InFlight:
@@ -226,12 +282,13 @@ class InFlight:
             self.on_outputs(self.stage, self.replica, outputs)
 
     def fail_all(self, why: str, status: int = 503) -> None:
+        """`why` is for the caller: the worker's host logs the details (an exception's text stays there)."""
         with self.lock:
             ids, self.ids = sorted(self.ids), set()
             self.failed = self.failed or (why, status)
         if ids:
             self.on_outputs(self.stage, self.replica, [StageOutput.failure(
-                rid, self.stage, f"stage {self.stage!r} (replica {self.replica}) failed: {why}", status,
+                rid, self.stage, f"stage {self.stage!r} (replica {self.replica}) {why}", status,
             ) for rid in ids])
 
 
@@ -266,7 +323,8 @@ class InlineStageWorker:
         self.stage, self.replica = stage, replica
         self.inflight = InFlight(stage, replica, on_outputs)
         self.on_exit = on_exit
-        self._stats: dict[str, Any] = {}
+        self.vocab_size: int | None = getattr(engine, "vocab_size", None)
+        self._dead = False  # the loop crashed (its thread may still be reporting the death)
         device = getattr(engine, "device", None)
         self.stream = None
         if device is not None and torch.device(device).type == "cuda":
@@ -274,6 +332,7 @@ class InlineStageWorker:
             self.stream = torch.cuda.Stream(device, priority=-1 if high else 0)
             torch.cuda.synchronize(device)  # what building the engine left on the default stream is done
         self.loop = EngineLoop(stage, engine, self._report, receive=self._receive)
+        self._stats: dict[str, Any] = self.loop.stats()  # before the thread's first report
         self._stopping = False
         self.thread = threading.Thread(target=self._run, name=f"stage-{stage}-{replica}", daemon=True)
         self.thread.start()
@@ -330,13 +389,13 @@ class InlineStageWorker:
         return dict(self._stats)
 
     def is_alive(self) -> bool:
-        return self.thread.is_alive()
+        return not self._dead and self.thread.is_alive()
 
     def shutdown(self) -> None:
         self._stopping = True
         self.loop.commands.put(Stop())
         self.thread.join(timeout=10)
-        self.inflight.fail_all("the stage was shut down")
+        self.inflight.fail_all("was shut down")
 
     def _report(self, outputs: list[StageOutput], stats: dict[str, Any]) -> None:
         self._stats = stats
@@ -349,7 +408,12 @@ class InlineStageWorker:
                 self.loop.run()
         except Exception as exc:
             logger.exception("stage %r replica %d crashed", self.stage, self.replica)
-            why = f"{type(exc).__name__}: {exc}"
-            self.inflight.fail_all(why, status=500)
+            self._dead = True
+            self.inflight.fail_all("failed; the server log has the details", status=500)
+            try:  # free its device memory before a restart builds the next engine
+                self.loop.engine.shutdown()
+            except Exception:
+                logger.exception("stage %r replica %d: shutting the crashed engine down failed", self.stage,
+                                 self.replica)
             if self.on_exit is not None and not self._stopping:
-                self.on_exit(self.stage, self.replica, why)
+                self.on_exit(self.stage, self.replica, f"{type(exc).__name__}: {exc}")

@@ -10,6 +10,7 @@ loop iteration sends its outputs and stats back.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import shutil
 import signal
@@ -93,7 +94,7 @@ def serve(spec: control.WorkerSpec) -> int:
             threading.Thread(target=_watch_parent, args=(spec.parent_pid, links, spec.event_address),
                              daemon=True).start()
         inbox_address = links[0].address if spec.inbox.type == "tcp" else None
-        emit(control.Ready(os.getpid(), command_address, inbox_address))
+        emit(control.Ready(os.getpid(), command_address, inbox_address, getattr(engine, "vocab_size", None)))
         try:
             loop.run()
         except Exception as exc:
@@ -112,6 +113,7 @@ def serve(spec: control.WorkerSpec) -> int:
 
 def _receive(sock: zmq.Socket, inbox: control.Link, loop: Any, stopping: threading.Event) -> None:
     """Control messages -> loop commands, until Stop."""
+    from omnistage.errors import stage_failure
     from omnistage.runtime.worker import Abort, AddChunk, AddRequest, Fail, Stop
     from omnistage.types import StageOutput
 
@@ -128,11 +130,11 @@ def _receive(sock: zmq.Socket, inbox: control.Link, loop: Any, stopping: threadi
                 continue
             try:
                 inp = inbox.decode(msg.item, frames)
-            except Exception as exc:  # a payload that never arrived fails its request, not the stage
+            except Exception:  # a payload that never arrived fails its request, not the stage
                 rid = msg.request_id if isinstance(msg, control.Chunk) else (msg.item.key or ("?",))[0]
+                logging.getLogger(__name__).exception("stage %r could not read an input of %r", loop.stage, rid)
                 loop.commands.put(Abort(rid))
-                loop.commands.put(Fail(StageOutput.failure(
-                    rid, loop.stage, f"stage {loop.stage!r} could not read its input: {exc}")))
+                loop.commands.put(Fail(StageOutput.failure(rid, loop.stage, stage_failure(loop.stage))))
                 continue
             if isinstance(msg, control.Add):
                 loop.commands.put(AddRequest(inp))

@@ -197,7 +197,8 @@ def test_sampling_params_list_maps_to_stages() -> None:
     assert set(stage_sampling_params(engine, [{"seed": 1}])) == {"thinker", "talker"}
     with pytest.raises(RequestError, match="4 entries but this model has 3 stages"):
         stage_sampling_params(engine, [{}] * 4)
-    with pytest.raises(RequestError, match=r"sampling_params_list\[1\] \(talker\): temperature=-1"):
+    with pytest.raises(RequestError, match=r"sampling_params_list\[1\]\.temperature: must be in \[0, 100\] \(got -1\); "
+                                           r"this entry is for stage 'talker'"):
         stage_sampling_params(engine, [{}, {"temperature": -1}])
-    with pytest.raises(RequestError, match="wrong type"):
+    with pytest.raises(RequestError, match=r"sampling_params_list\[0\]\.temperature: must be a finite number"):
         stage_sampling_params(engine, [{"temperature": "hot"}])

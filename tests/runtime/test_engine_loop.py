@@ -82,3 +82,61 @@ def test_commands_are_applied_by_type() -> None:
     assert engine.pending_steps == 0
     with pytest.raises(TypeError, match="not an engine loop command"):
         loop._apply(("add", StageInput("r")))
+
+
+class Ledger(TimedEngine):
+    """Records which request each command was for: ("add", rid), ("chunk", rid), ("abort", rid)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str, float]] = []
+
+    def add_request(self, inp: StageInput) -> None:
+        super().add_request(inp)
+        self.log.append(("add", inp.request_id, time.monotonic()))
+
+    def add_input_chunk(self, request_id: str, chunk: StageInput) -> None:
+        super().add_input_chunk(request_id, chunk)
+        self.log.append(("chunk", request_id, time.monotonic()))
+
+    def abort(self, request_id: str) -> None:
+        self.log.append(("abort", request_id, time.monotonic()))
+
+
+def test_an_abort_does_not_wait_behind_a_backlog_of_chunks() -> None:
+    """A request aborted behind 300 ms of queued chunks is aborted at once: its queued chunks are dropped, the
+    other requests' commands are applied in order, and a request reusing the id after the abort is kept."""
+    from omnistage.runtime.worker import Abort, Batch
+
+    engine = Ledger()
+    loop = EngineLoop("talker", engine, report=lambda outputs, stats: None)
+    loop.commands.put(AddRequest(StageInput("a")))
+    loop.commands.put(AddRequest(StageInput("b")))
+    for _ in range(150):
+        loop.commands.put(Batch([AddChunk("a", StageInput("a", final=False)), AddChunk("b", StageInput("b"))]))
+    loop.commands.put(Abort("a"))
+    loop.commands.put(AddRequest(StageInput("a")))  # the id again, a new request
+    loop.commands.put(AddChunk("a", StageInput("a")))
+    thread = threading.Thread(target=loop.run)
+    start = time.monotonic()
+    thread.start()
+    def events() -> list[tuple[str, str]]:
+        return [e[:2] for e in engine.log]
+
+    assert wait(lambda: events().count(("chunk", "b")) == 150 and events()[-1] == ("chunk", "a"), 30), events()[-5:]
+    loop.commands.put(Stop())
+    thread.join(10)
+    abort_at = next(t for kind, _, t in engine.log if kind == "abort")
+    assert abort_at - start < 0.1, "the abort waited behind the chunks"
+    seen = events()
+    assert seen.count(("chunk", "b")) == 150  # nobody else's command is lost
+    assert seen.count(("chunk", "a")) < 10, "the aborted request's queued chunks were applied"
+    after = seen[seen.index(("abort", "a")) + 1:]
+    assert after.count(("add", "a")) == 1 and after[-1] == ("chunk", "a")  # the new request with the id, in order
+
+
+def wait(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return predicate()

@@ -15,11 +15,11 @@ from omnistage.engine.ar.detokenizer import IncrementalDetokenizer
 from omnistage.engine.ar.memory import plan_num_blocks
 from omnistage.engine.ar.model import ARModel
 from omnistage.engine.ar.model_runner import DecodeLaunch, ModelRunner
-from omnistage.engine.ar.sampler import Sampler, SampleRow, SamplingColumns, StaticDraw, TokenHistory
+from omnistage.engine.ar.sampler import ROW_FAILED, Sampler, SampleRow, SamplingColumns, StaticDraw, TokenHistory
 from omnistage.engine.ar.scheduler import Scheduler
 from omnistage.engine.ar.sequence import SeqStatus, Sequence
 from omnistage.engine.transfer import host_list, to_device
-from omnistage.errors import ConfigError, RequestError
+from omnistage.errors import ConfigError, RequestError, stage_failure
 from omnistage.sampling_params import SamplingParams
 from omnistage.types import StageInput, StageOutput
 
@@ -141,6 +141,7 @@ class AREngine:
         self._static_draw: StaticDraw | None = None
         graphs = self.runner.graphs
         vocab = graphs[min(graphs)][1].shape[-1] if graphs else model.vocab_size  # the logits' width
+        self.vocab_size = vocab  # token ids a request names (stop, bad) must be below it: the sampler indexes by them
         self.sampler.warm_up(vocab, model.device)
         if self.runner.graphs and self.runner.burst_steps > 1:
             self.history = TokenHistory(config.max_num_seqs + 1, vocab, model.device)
@@ -151,8 +152,13 @@ class AREngine:
     # ---- requests -------------------------------------------------------------------------
 
     def validate(self, inp: StageInput) -> SamplingParams:
-        """Check a request fits this stage; returns its effective params."""
+        """Check a request fits this stage; returns its effective params. The params are checked again here,
+        whoever built them: nothing unchecked reaches a step, where one request's bad value would fail a batch."""
         params = inp.params or self.config.default_params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"stage {self.name!r} takes SamplingParams, not {type(params).__name__}", "params")
+        params.validate()
+        params.check_token_ids(self.vocab_size)
         prompt_len = len(inp.token_ids)
         limit = self.config.max_model_len
         if prompt_len == 0 and inp.final:
@@ -188,7 +194,7 @@ class AREngine:
             seq.input_final = True
         self._take_input(seq, inp, 0)
         if params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.generator_seed)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, seq.token_ids, params.skip_special_tokens, params.stop,
@@ -288,26 +294,54 @@ class AREngine:
         want_hidden = layers and any(s.return_hidden for s, _ in batch)
         try:
             result = self.runner.execute(batch, layers if want_hidden else ())
-            sampling = [batch[i][0] for i in result.sample_rows]
-            token_ids, logprobs = self._sample(sampling, result.logits, result.argmax) if sampling else ([], [])
-        except Exception as exc:  # a failed step fails its requests, not the engine
+        except Exception:  # a failed forward fails its batch, not the engine
             logger.exception("stage %s: step failed", self.name)
-            return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq, _ in batch]
-
+            return [self._fail(seq, "this step") for seq, _ in batch]
         for seq, n in batch:
             seq.num_computed += n
             self.block_manager.register_full_blocks(seq)
-        sampled = {result.sample_rows[j]: (token_ids[j], logprobs[j]) for j in range(len(token_ids))}
+        sampling = [batch[i][0] for i in result.sample_rows]
+        sampled = dict(zip(result.sample_rows, self._sample_each(sampling, result.logits, result.argmax),
+                           strict=True))
         outputs = []
         for i, (seq, _) in enumerate(batch):
-            out = StageOutput(request_id=seq.request_id, stage=self.name)
-            if want_hidden and seq.return_hidden:
-                span = result.row_spans[i]
-                self._collect_hidden(seq, out, result.hidden, span, seq.num_computed - (span[1] - span[0]))
-            if i in sampled:
-                self._append_token(seq, out, *sampled[i])
-            self._emit(seq, out, outputs)
+            if sampled.get(i, ()) is None:
+                outputs.append(self._fail(seq))
+                continue
+            try:
+                out = StageOutput(request_id=seq.request_id, stage=self.name)
+                if want_hidden and seq.return_hidden:
+                    span = result.row_spans[i]
+                    self._collect_hidden(seq, out, result.hidden, span, seq.num_computed - (span[1] - span[0]))
+                if i in sampled:
+                    self._append_token(seq, out, *sampled[i])
+                self._emit(seq, out, outputs)
+            except Exception:  # its own bookkeeping (stop checks, text, output): it alone fails
+                logger.exception("stage %s: request %r failed", self.name, seq.request_id)
+                outputs.append(self._fail(seq))
         return outputs
+
+    def _sample_each(self, seqs: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None
+                     ) -> list[tuple[int, Any] | None]:
+        """(token, logprob) per row, drawn for the whole batch at once; if that raises, row by row, so the rows
+        that raise alone get None (their request fails) and the others their tokens."""
+        if not seqs:
+            return []
+        try:
+            return [None if lp is ROW_FAILED else (t, lp) for t, lp in zip(*self._sample(seqs, logits, argmax),
+                                                                           strict=True)]
+        except Exception:  # in practice while building the rows' columns, before any noise is drawn: draw again
+            logger.exception("stage %s: sampling a batch failed; sampling its rows one by one", self.name)
+        out: list[tuple[int, Any] | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                (token,), (logprob,) = self._sample([seq], logits[i : i + 1],
+                                                    None if argmax is None else argmax[i : i + 1])
+                out.append(None if logprob is ROW_FAILED else (token, logprob))
+            except Exception:
+                logger.exception("stage %s: sampling for request %r failed", self.name, seq.request_id)
+                out.append(None)
+        return out
 
     def _emit(self, seq: Sequence, out: StageOutput, outputs: list[StageOutput]) -> None:
         if out.token_ids or out.hidden_states or out.finished:
@@ -455,12 +489,27 @@ class AREngine:
         steps = self._allocate_steps(seqs, self._burst_steps(seqs, 0))  # >= 1: the scheduler allocated one
         try:
             self.in_flight = self._launch(seqs, steps=steps)
-        except Exception as exc:
+        except Exception:
             logger.exception("stage %s: step failed", self.name)
-            return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq in seqs]
+            return self._launch_failed(seqs)
         for seq in seqs:
             seq.num_computed += steps
         return self._advance_decode()
+
+    def _launch_failed(self, seqs: list[Sequence]) -> list[StageOutput]:
+        """A decode launch raised. Requests whose own sampling rows cannot be built fail alone, and the others
+        are scheduled again by the next step (their positions were not advanced); with none to blame (the
+        forward itself failed) the step's requests all fail."""
+        culprits = [seq for seq in seqs if not self._row_builds(seq)]
+        return [self._fail(seq) for seq in culprits] or [self._fail(seq, "this step") for seq in seqs]
+
+    def _row_builds(self, seq: Sequence) -> bool:
+        try:
+            self.sampler.columns([self._sample_row(seq)], self.vocab_size, self.device)
+            return True
+        except Exception:
+            logger.exception("stage %s: the sampling parameters of request %r failed", self.name, seq.request_id)
+            return False
 
     def _allocate_steps(self, seqs: list[Sequence], steps: int) -> int:
         """Blocks for `steps` more positions of each sequence: `steps` if they fit, else 1 if that does, else 0."""
@@ -488,31 +537,41 @@ class AREngine:
             elif following:
                 steps = self._allocate_steps(following, self._burst_steps(following, unread))
                 following = following if steps else []
-        try:
-            if following:
+        outputs: list[StageOutput] = []
+        if following:
+            try:
                 self.in_flight = self._launch(following, previous=current, steps=steps)
                 self.num_overlapped_steps += 1
+            except Exception:  # the current step's tokens are still read; the next step is scheduled afresh
+                logger.exception("stage %s: step failed", self.name)
+                self.in_flight = None
+                outputs += self._launch_failed(following)
+                following = []
+        try:
             tokens = self.runner.read_tokens(current)
-        except Exception as exc:
+        except Exception:
             logger.exception("stage %s: step failed", self.name)
             self.in_flight = None
-            return [self._fail(seq, f"stage {self.name!r} failed: {exc}") for seq in current.seqs
-                    if self.seqs.get(seq.request_id) is seq]
+            return outputs + [self._fail(seq, "this step") for seq in current.seqs
+                              if self.seqs.get(seq.request_id) is seq]
         for seq in following:
             seq.num_computed += steps
-        outputs: list[StageOutput] = []
         for row, seq in enumerate(current.seqs):
             if self.seqs.get(seq.request_id) is not seq:
                 continue  # finished or aborted while its step was in flight
-            out = StageOutput(request_id=seq.request_id, stage=self.name)
-            if seq.return_hidden and current.hidden:
-                self._collect_hidden(seq, out, current.hidden, (row, row + 1), current.positions[row])
-            for step_tokens in tokens:  # a burst's tokens after a stop are dropped
-                self._append_token(seq, out, step_tokens[row], None)
-                if out.finished:
-                    break
-            self.block_manager.register_full_blocks(seq)
-            self._emit(seq, out, outputs)
+            try:
+                out = StageOutput(request_id=seq.request_id, stage=self.name)
+                if seq.return_hidden and current.hidden:
+                    self._collect_hidden(seq, out, current.hidden, (row, row + 1), current.positions[row])
+                for step_tokens in tokens:  # a burst's tokens after a stop are dropped
+                    self._append_token(seq, out, step_tokens[row], None)
+                    if out.finished:
+                        break
+                self.block_manager.register_full_blocks(seq)
+                self._emit(seq, out, outputs)
+            except Exception:  # its own bookkeeping (stop checks, text, output): it alone fails
+                logger.exception("stage %s: request %r failed", self.name, seq.request_id)
+                outputs.append(self._fail(seq))
         return outputs
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
@@ -560,6 +619,7 @@ class AREngine:
         if seq.detokenizer:
             out.text += seq.detokenizer.take(final=out.finished)  # a burst appends several tokens to one output
 
-    def _fail(self, seq: Sequence, message: str) -> StageOutput:
+    def _fail(self, seq: Sequence, scope: str = "this request") -> StageOutput:
+        """The request's failure (the log has the traceback; the caller hears only which stage failed)."""
         self.abort(seq.request_id)
-        return StageOutput.failure(seq.request_id, self.name, message)
+        return StageOutput.failure(seq.request_id, self.name, stage_failure(self.name, scope))

@@ -9,6 +9,7 @@ samples) or through a device-side TokenHistory (steps kept in flight, which neve
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,13 @@ from omnistage.engine.transfer import host_list, to_device
 from omnistage.kernels import draw as fused_draw
 from omnistage.sampling_params import SamplingParams
 from omnistage.types import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+# A row's logprob when computing it raised: its token was drawn (the generators moved on), so the row's request
+# fails alone instead of the batch being drawn again.
+ROW_FAILED = TokenLogprob(token_id=-1, logprob=float("nan"))
 
 
 @dataclass
@@ -342,10 +350,14 @@ class Sampler:
             n = row.params.logprobs
             if n is None:
                 continue
-            top_values, top_ids = raw[i].topk(n) if n else (raw[i][:0], raw[i][:0].long())
-            out[i] = TokenLogprob(
-                token_id=token_ids[i],
-                logprob=raw[i, token_ids[i]].item(),
-                top=list(zip(top_ids.tolist(), top_values.tolist(), strict=True)),
-            )
+            try:
+                top_values, top_ids = raw[i].topk(n) if n else (raw[i][:0], raw[i][:0].long())
+                out[i] = TokenLogprob(
+                    token_id=token_ids[i],
+                    logprob=raw[i, token_ids[i]].item(),
+                    top=list(zip(top_ids.tolist(), top_values.tolist(), strict=True)),
+                )
+            except Exception:
+                logger.exception("the logprobs of a row failed")
+                out[i] = ROW_FAILED
         return out

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from omnistage.config.deploy import StageConfig
-from omnistage.errors import OmniError
+from omnistage.errors import OmniError, stage_failure
 from omnistage.types import StageInput, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ class GenerationEngine:
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, StageInput] = {}  # arrival order is kept by the dict
-        self.ready = getattr(model, "ready", lambda inp: inp.final)
+        self._model_ready = getattr(model, "ready", lambda inp: inp.final)
+        self.failed: list[StageOutput] = []  # failures found outside a step, handed out by the next one
         self.launch = getattr(model, "launch", None)
         self.launched: collections.deque[_Launched] = collections.deque()  # outputs not handed out yet, in order
         self.num_steps = 0
@@ -106,11 +107,21 @@ class GenerationEngine:
         for launched in self.launched:
             launched.request_ids = [None if rid == request_id else rid for rid in launched.request_ids]
 
+    def ready(self, inp: StageInput) -> bool:
+        """The model's `ready`; one that raises fails its request (at the next step), not the stage."""
+        try:
+            return self._model_ready(inp)
+        except Exception as exc:
+            logger.exception("stage %s: request %r failed", self.name, inp.request_id)
+            self.requests.pop(inp.request_id, None)
+            self.failed.append(StageOutput.failure(inp.request_id, self.name, *self._error(exc)))
+            return False
+
     def has_work(self) -> bool:
-        return bool(self.launched) or any(self.ready(inp) for inp in self.requests.values())
+        return bool(self.launched or self.failed) or any(self.ready(inp) for inp in list(self.requests.values()))
 
     def stats(self) -> dict[str, Any]:
-        ready = sum(self.ready(inp) for inp in self.requests.values())
+        ready = sum(self.ready(inp) for inp in list(self.requests.values()))
         return {"num_running": ready, "num_waiting": len(self.requests) - ready, "num_steps": self.num_steps,
                 "num_in_flight": sum(launched.flight is not None for launched in self.launched)}
 
@@ -121,7 +132,7 @@ class GenerationEngine:
         if newest is not None and not newest.busy.query():
             newest.busy.synchronize()
             return self._landed()
-        batch = [inp for inp in self.requests.values() if self.ready(inp)][: self.max_num_seqs]
+        batch = [inp for inp in list(self.requests.values()) if self.ready(inp)][: self.max_num_seqs]
         if batch:
             self._launch(batch)
         elif self.launched and self.launched[0].flight is not None:
@@ -133,16 +144,18 @@ class GenerationEngine:
         ids = [inp.request_id for inp in batch]
         try:
             result = self.launch(batch) if self.launch is not None else self.model.generate(batch)
+            if isinstance(result, InFlight):
+                launched = _Launched(ids, list(result.finished), flight=result)
+            else:
+                launched = _Launched(ids, [finished for _, finished in result], outputs=[t for t, _ in result])
+            if len(launched.finished) != len(ids):
+                raise RuntimeError(f"the model answered {len(launched.finished)} of {len(ids)} inputs")
         except Exception as exc:  # a failed batch fails its requests, not the stage
             logger.exception("stage %s: step failed", self.name)
             for rid in ids:
                 del self.requests[rid]
-            self.launched.append(_Launched(ids, [True] * len(ids), error=self._error(exc)))
+            self.launched.append(_Launched(ids, [True] * len(ids), error=self._error(exc, "this step")))
             return
-        if isinstance(result, InFlight):
-            launched = _Launched(ids, result.finished, flight=result)
-        else:
-            launched = _Launched(ids, [finished for _, finished in result], outputs=[t for t, _ in result])
         for rid, finished in zip(ids, launched.finished, strict=True):
             if finished:
                 del self.requests[rid]
@@ -150,7 +163,7 @@ class GenerationEngine:
 
     def _landed(self) -> list[StageOutput]:
         """Outputs of launched batches whose work is done, oldest first, stopping at the first still running."""
-        outputs = []
+        outputs, self.failed = self.failed, []
         while self.launched:
             launched = self.launched[0]
             if launched.flight is not None:
@@ -160,23 +173,33 @@ class GenerationEngine:
                     launched.outputs = launched.flight.collect()
                 except Exception as exc:
                     logger.exception("stage %s: collecting a step's outputs failed", self.name)
-                    launched.error = self._error(exc)
+                    launched.error = self._error(exc, "this step")
                 launched.flight = None
             self.launched.popleft()
             for n, (rid, finished) in enumerate(zip(launched.request_ids, launched.finished, strict=True)):
                 if rid is None:  # aborted while in flight
                     continue
-                if launched.error is not None:
+                error = launched.error
+                if error is None:
+                    try:
+                        tensors = launched.outputs[n]
+                        if not isinstance(tensors, dict):
+                            raise TypeError(f"the model's output {n} is a {type(tensors).__name__}, not a dict")
+                        outputs.append(StageOutput(rid, self.name, tensors=tensors, finished=finished,
+                                                   finish_reason="stop" if finished else None))
+                    except Exception as exc:  # this request's output: it alone fails
+                        logger.exception("stage %s: request %r failed", self.name, rid)
+                        error = self._error(exc)
+                if error is not None:
                     self.abort(rid)  # and its later windows' outputs
-                    outputs.append(StageOutput.failure(rid, self.name, *launched.error))
-                else:
-                    tensors = launched.outputs[n]
-                    outputs.append(StageOutput(rid, self.name, tensors=tensors, finished=finished,
-                                               finish_reason="stop" if finished else None))
+                    outputs.append(StageOutput.failure(rid, self.name, *error))
         return outputs
 
-    def _error(self, exc: Exception) -> tuple[str, int]:
-        return f"stage {self.name!r} failed: {exc}", exc.status if isinstance(exc, OmniError) else 500
+    def _error(self, exc: Exception, scope: str = "this request") -> tuple[str, int]:
+        """(message, status) for the caller: an OmniError's own; otherwise only the stage (the log has the rest)."""
+        if isinstance(exc, OmniError):
+            return f"stage {self.name!r}: {exc.message}", exc.status
+        return stage_failure(self.name, scope), 500
 
     def shutdown(self) -> None:
         self.requests.clear()

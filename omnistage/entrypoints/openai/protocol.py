@@ -11,9 +11,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from omnistage.sampling_params import VLLM_IGNORED_FIELDS, SamplingParams
+from omnistage.sampling_params import MAX_LOGPROBS, VLLM_IGNORED_FIELDS, InvalidParams, SamplingParams
 
-MAX_N = 16
+# Bounds of one request (the engines' limits are checked by SamplingParams and by each stage).
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 64  # prompts x n: the generations one request may start
+MAX_MESSAGES = 1024
 log = logging.getLogger("omnistage.server")
 
 
@@ -177,7 +180,7 @@ class _SamplingRequest(_Strict):
     # omnistage / vLLM-Omni extension: sampling params per stage, in pipeline order (e.g. [thinker, talker,
     # token2wav]); fewer entries leave the later stages at their defaults, one entry applies to every AR stage.
     # Fields as in SamplingParams, or a whole vLLM SamplingParams dict.
-    sampling_params_list: list[dict[str, Any]] | None = None
+    sampling_params_list: list[dict[str, Any]] | None = Field(None, max_length=16)
 
     @model_validator(mode="before")
     @classmethod
@@ -233,26 +236,27 @@ class _SamplingRequest(_Strict):
             "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
             "include_stop_str_in_output",
         )  # fmt: skip
-        params = defaults.with_overrides(**{name: getattr(self, name) for name in names})
-        # Set even when None: None max_tokens lets the runtime fill the remaining context.
-        return replace(params, max_tokens=self._requested_max_tokens(), logprobs=self._requested_logprobs())
+        try:
+            params = defaults.with_overrides(**{name: getattr(self, name) for name in names})
+            # Set even when None: None max_tokens lets the runtime fill the remaining context.
+            return replace(params, max_tokens=self._requested_max_tokens(), logprobs=self._requested_logprobs())
+        except InvalidParams as exc:
+            raise exc.at("") from None
 
 
 def seeded_copies(params: SamplingParams, n: int) -> list[SamplingParams]:
     """One params per choice of an n-way fan-out; a seeded request gets seeds seed, seed+1, ... so the
     choices differ yet the whole response stays reproducible."""
-    if params.seed is None:
-        return [params] * n
-    return [replace(params, seed=params.seed + i) for i in range(n)]
+    return [params.with_seed_offset(i) for i in range(n)]
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     best_of: int | None = None  # vLLM's; only best_of == n
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     modalities: list[str] | None = None
     audio: AudioOptions | None = None
     # Accepted for client compatibility; rejected when they ask for something unsupported.
@@ -342,6 +346,10 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
+        prompts = len(self.prompt_inputs())
+        if prompts * self.n > MAX_CHOICES:
+            raise ValueError(f"{prompts} prompts x n={self.n} would start {prompts * self.n} generations; at most "
+                             f"{MAX_CHOICES} per request")
         if self.echo:
             raise ValueError("echo=true is not supported")
         if self.suffix:

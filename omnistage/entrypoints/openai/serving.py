@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,7 @@ from omnistage.entrypoints.openai.protocol import (
 )
 from omnistage.errors import RequestError, StageError
 from omnistage.media import encode_audio
-from omnistage.sampling_params import VLLM_CHECKED_FIELDS, VLLM_IGNORED_FIELDS, SamplingParams
+from omnistage.sampling_params import VLLM_CHECKED_FIELDS, VLLM_IGNORED_FIELDS, InvalidParams, SamplingParams
 from omnistage.types import OmniOutput, OmniRequest, TokenLogprob
 
 if TYPE_CHECKING:
@@ -89,8 +89,21 @@ def output_modalities(engine: AsyncOmni, requested: list[str] | None) -> tuple[s
     return tuple(dict.fromkeys(requested))
 
 
+def stage_vocab_size(engine: AsyncOmni, stage: str) -> int | None:
+    """The vocabulary of `stage` ('*': the entry stage) as its engine reported it; None where unknown (no AR
+    stage, or an engine without an orchestrator)."""
+    orchestrator = getattr(engine, "orchestrator", None)
+    return orchestrator.vocab_size(stage) if orchestrator is not None else None
+
+
 def _choice_params(engine: AsyncOmni, body: ChatCompletionRequest | CompletionRequest) -> list[SamplingParams]:
-    return seeded_copies(body.to_sampling_params(engine.default_sampling_params()), body.n)
+    params = body.to_sampling_params(engine.default_sampling_params())
+    if (vocab := stage_vocab_size(engine, "*")) is not None:
+        try:
+            params.check_token_ids(vocab)
+        except InvalidParams as exc:
+            raise exc.at("") from None
+    return seeded_copies(params, body.n)
 
 
 def _fan_out(rid: str, inputs: list[dict[str, Any]], params: list[SamplingParams], **shared: Any) -> list[OmniRequest]:
@@ -110,10 +123,7 @@ def _apply_stage_params(engine: AsyncOmni, body: ChatCompletionRequest | Complet
     per_stage = stage_sampling_params(engine, body.sampling_params_list)
     for i, request in enumerate(requests):
         choice = i % body.n
-        request.stage_params.update({
-            stage: replace(p, seed=p.seed + choice) if choice and p.seed is not None else p
-            for stage, p in per_stage.items()
-        })
+        request.stage_params.update({stage: p.with_seed_offset(choice) for stage, p in per_stage.items()})
     return requests
 
 
@@ -145,29 +155,35 @@ _ENTRY_FIELDS = frozenset({f.name for f in fields(SamplingParams)})
 _ENTRY_VOCABULARY = _ENTRY_FIELDS | VLLM_IGNORED_FIELDS | VLLM_CHECKED_FIELDS
 
 
-def entry_params(entry: Any, defaults: SamplingParams, where: str) -> SamplingParams:
+def entry_params(entry: Any, defaults: SamplingParams, where: str, stage: str = "",
+                 vocab_size: int | None = None) -> SamplingParams:
     """One `sampling_params_list` entry (omnistage's SamplingParams fields or a whole vLLM SamplingParams dict)
-    over the stage's defaults; a null value keeps the default."""
+    over the stage's defaults; a null value keeps the default. Checked as strictly as SamplingParams itself, and
+    its token ids against the stage's vocabulary where known; errors name the field by its path (`where`)."""
+    note = f"; this entry is for stage {stage!r}" if stage and stage != "*" else ""
     if not isinstance(entry, dict):
-        raise RequestError(f"{where} must be an object of sampling fields", "sampling_params_list")
+        raise RequestError(f"{where} must be an object of sampling fields{note}", where)
     unknown = sorted(set(entry) - _ENTRY_VOCABULARY)
     if unknown:
         close = close_match(unknown[0], _ENTRY_VOCABULARY - {n for n in _ENTRY_VOCABULARY if n.startswith("_")})
         hint = f"; did you mean {close!r}?" if close else ""
-        raise RequestError(f"{where}: unknown field {unknown[0]!r}{hint}", "sampling_params_list")
+        raise RequestError(f"{where}: unknown field {unknown[0]!r}{hint}", f"{where}.{unknown[0]}")
     entry = drop_ignored(entry, where)
-    if entry.pop("n", None) not in (None, 1) or entry.pop("best_of", None) not in (None, 1):
-        raise RequestError(f"{where}: n and best_of are per request, not per stage; set 'n' on the request",
-                           "sampling_params_list")
+    for name in ("n", "best_of"):
+        value = entry.pop(name, None)
+        if value is not None and (type(value) is not int or value != 1):
+            raise RequestError(f"{where}.{name}: n and best_of are per request, not per stage; set 'n' on the "
+                               "request", f"{where}.{name}")
     for name in ("logit_bias", "bad_words"):
         if entry.pop(name, None):
-            raise RequestError(f"{where}.{name} is not supported; remove it", "sampling_params_list")
+            raise RequestError(f"{where}.{name} is not supported; remove it", f"{where}.{name}")
     try:
-        return defaults.with_overrides(**entry)
-    except RequestError as exc:
-        raise RequestError(f"{where}: {exc.message}", "sampling_params_list") from None
-    except (TypeError, ValueError) as exc:
-        raise RequestError(f"{where}: a value has the wrong type ({exc})", "sampling_params_list") from None
+        params = defaults.with_overrides(**entry)
+        if vocab_size is not None:
+            params.check_token_ids(vocab_size)
+        return params
+    except InvalidParams as exc:
+        raise exc.at(where, note) from None
 
 
 def stage_sampling_params(engine: AsyncOmni, entries: list[Any]) -> dict[str, SamplingParams]:
@@ -182,9 +198,10 @@ def stage_sampling_params(engine: AsyncOmni, entries: list[Any]) -> dict[str, Sa
                            "sampling_params_list")
     if len(entries) == 1:
         targets = [name for name, ar in stages if ar] or [stages[0][0]]
-        return {name: entry_params(entries[0], _stage_defaults(engine, name), "sampling_params_list[0]")
-                for name in targets}
-    return {name: entry_params(entry, _stage_defaults(engine, name), f"sampling_params_list[{i}] ({name})")
+        return {name: entry_params(entries[0], _stage_defaults(engine, name), "sampling_params_list[0]", name,
+                                   stage_vocab_size(engine, name)) for name in targets}
+    return {name: entry_params(entry, _stage_defaults(engine, name), f"sampling_params_list[{i}]", name,
+                               stage_vocab_size(engine, name))
             for i, ((name, _), entry) in enumerate(zip(stages, entries, strict=False))}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -16,7 +17,19 @@ from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 from omnistage.sampling_params import SamplingParams
 from omnistage.types import OmniRequest, StageInput
 
+logger = logging.getLogger(__name__)
 _SUPPORTED = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def template_error(exc: Exception) -> RequestError:
+    """A 400 for messages the chat template refused: the template's own message (it names what to fix, e.g.
+    roles that must alternate) when it raised one, a fixed sentence for anything else (no internals)."""
+    from jinja2 import TemplateError
+
+    logger.info("chat template failed: %r", exc)
+    detail = f": {' '.join(str(exc).split())[:200]}" if isinstance(exc, TemplateError) else ""
+    return RequestError(f"could not apply the chat template to these messages{detail}; check their roles, order "
+                        "and content parts", "messages")
 
 
 class TextPipeline(Pipeline):
@@ -40,7 +53,7 @@ class TextPipeline(Pipeline):
                 request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
             ))
         except Exception as exc:  # template errors are the caller's messages' fault
-            raise RequestError(f"could not apply the chat template to these messages: {exc}", "messages") from None
+            raise template_error(exc) from None
 
     def refuse_media(self, messages: list[dict[str, Any]]) -> None:
         """A part the model cannot take is an error, never silently dropped (the chat template would)."""

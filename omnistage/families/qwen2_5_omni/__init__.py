@@ -22,9 +22,9 @@ from omnistage.engine.generation.engine import GenerationEngine
 from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
-from omnistage.families.causal_lm import TextPipeline, ar_engine
+from omnistage.families.causal_lm import TextPipeline, ar_engine, template_error
 from omnistage.families.qwen2_5_omni import models
-from omnistage.media import MEDIA_PART_TYPES, MediaLimits, load_part
+from omnistage.media import MEDIA_PART_TYPES, MediaBudget, MediaLimits, RemotePolicy, check_part_count, load_part
 from omnistage.sampling_params import SamplingParams
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
@@ -63,7 +63,7 @@ class OmniPipeline(TextPipeline):
                 videos=media.get("video") or None, return_tensors="pt", padding=False, **media_kwargs,
             )
         except (ValueError, TypeError, KeyError) as exc:  # the messages' shape or media, not the server
-            raise RequestError(f"could not prepare these messages for the model: {exc}", "messages") from None
+            raise template_error(exc) from None
         tensors = {k: v[0] if k == "input_ids" else v for k, v in batch.items() if isinstance(v, torch.Tensor)}
         ids = tensors.pop("input_ids").tolist()
         tensors.pop("attention_mask", None)
@@ -81,12 +81,16 @@ class OmniPipeline(TextPipeline):
         """Messages with media parts turned into the template's placeholders, the media in order, and the
         processor arguments they need. A part may carry a decoded object ({"type": "image", "image": PIL
         image}, "audio": float32 array at 16 kHz, "video": Video) or be an OpenAI part (image_url,
-        input_audio, audio_url, video_url). With `use_audio_in_video`, each video's sound track joins the
-        audio list and the processor is told which video it belongs to."""
+        input_audio, audio_url, video_url; AsyncOmni has fetched their URLs already) checked against the deploy
+        config's limits. With `use_audio_in_video`, each video's sound track joins the audio list and the processor
+        is told which video it belongs to."""
         media: dict[str, list] = {kind: list(items) for kind, items in request.media.items()}
         fps: list[float] = []
         audio_of_video: list[int | None] = [None] * len(media.get("audio", []))
-        limits = MediaLimits(max_bytes=self.deploy.limits.max_media_bytes)
+        limits = MediaLimits.from_config(self.deploy.limits)
+        policy = RemotePolicy.from_config(self.deploy.media)
+        budget = MediaBudget(limits.max_total_bytes)
+        check_part_count(request.messages, limits)
         messages = []
         for i, message in enumerate(request.messages or [{"role": "user", "content": request.prompt or ""}]):
             content = message.get("content")
@@ -97,7 +101,7 @@ class OmniPipeline(TextPipeline):
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind in MEDIA_PART_TYPES:
-                    item = load_part(part, f"messages[{i}].content[{j}]", limits,
+                    item = load_part(part, f"messages[{i}].content[{j}]", limits, policy=policy, budget=budget,
                                      use_audio_in_video=use_audio_in_video)
                     kind, value = item.kind, item.value
                 elif kind in ("image", "audio", "video") and kind in part:
@@ -211,6 +215,13 @@ class OmniPipeline(TextPipeline):
         decodable = self.config.token2wav_config.dit_config.num_embeds  # ids 0..num_embeds embed
         return (cfg.tts_codec_start_token_id,
                 *(i for i in range(decodable + 1, cfg.vocab_size) if i not in self.codec_stops))
+
+    def transcription_messages(self, audio: Any, task: str, language: str | None = None,
+                               prompt: str | None = None) -> list[dict[str, Any]]:
+        """The neutral instruction under the system prompt Qwen's audio cookbook gives the model for the task."""
+        role = "translation" if task == "translate" else "recognition"
+        system = {"role": "system", "content": [{"type": "text", "text": f"You are a speech {role} model."}]}
+        return [system, *super().transcription_messages(audio, task, language, prompt)]
 
 
 HANDOFF = "qwen2_5_omni"  # the key of a request's OmniHandoff in its pipeline_state
