@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -14,14 +15,15 @@ VLLM_IGNORED_FIELDS = frozenset({
     "detokenize",  # text is always produced
     "spaces_between_special_tokens",  # fast (Rust) tokenizers have no such option
     "prompt_logprobs",
-    "output_kind", "output_text_buffer_length", "truncate_prompt_tokens", "guided_decoding", "structured_outputs",
+    "output_kind", "output_text_buffer_length", "truncate_prompt_tokens",
     "logits_processors", "allowed_token_ids", "extra_args", "flat_logprobs", "skip_clone",
     "use_beam_search", "length_penalty", "early_stopping",  # beam search (older vLLM)
     "_real_n", "_all_stop_token_ids", "_bad_words_token_ids",  # vLLM's private fields, when a dict carries them
 })
-# vLLM's fields checked rather than applied: n and best_of belong to the request, not to a stage; logit_bias and
-# bad_words are refused when non-empty (unsupported: silently ignoring them would change what is sampled).
-VLLM_CHECKED_FIELDS = frozenset({"n", "best_of", "logit_bias", "bad_words"})
+# vLLM's fields checked rather than applied: n and best_of belong to the request, not to a stage; guided_decoding
+# (older vLLM) is read as structured_outputs; logit_bias and bad_words are refused when non-empty (unsupported:
+# silently ignoring them would change what is sampled).
+VLLM_CHECKED_FIELDS = frozenset({"n", "best_of", "logit_bias", "bad_words", "guided_decoding"})
 
 
 # Bounds every entry point enforces (the engines rely on them).
@@ -66,6 +68,64 @@ class InvalidParams(RequestError):
         return err
 
 
+# vLLM's StructuredOutputsParams / GuidedDecodingParams options: backend choices omnistage does not need
+_VLLM_STRUCTURED_OPTIONS = frozenset({"backend", "_backend", "_backend_was_auto", "disable_fallback",
+                                      "disable_any_whitespace", "disable_additional_properties",
+                                      "whitespace_pattern", "structural_tag"})
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match; exactly one field is set (vLLM's StructuredOutputsParams)."""
+
+    json: str | None = None  # a JSON schema, serialised
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # EBNF (GBNF) or Lark
+
+    def __post_init__(self) -> None:
+        set_fields = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
+                      self.grammar is not None]
+        if sum(set_fields) != 1:
+            raise RequestError("structured output takes exactly one of json, json_object, regex, choice, grammar",
+                               "structured_outputs")
+
+    @classmethod
+    def of(cls, spec: Any, where: str = "structured_outputs") -> StructuredOutput | None:
+        """From vLLM's wire shape `{"json": schema | str, "regex": ..., "choice": [...], "grammar": ...,
+        "json_object": true}`; None for an empty or absent spec."""
+        if spec is None or isinstance(spec, StructuredOutput):
+            return spec
+        if not isinstance(spec, dict):
+            raise RequestError(f"{where} must be an object such as {{\"json\": <schema>}}", where)
+        if spec.get("structural_tag") is not None:
+            raise RequestError(f"{where}.structural_tag is not supported; use json, regex, choice or grammar", where)
+        spec = {k: v for k, v in spec.items() if k not in _VLLM_STRUCTURED_OPTIONS}
+        unknown = set(spec) - {"json", "json_object", "regex", "choice", "grammar"}
+        if unknown:
+            raise RequestError(f"{where}: unknown field(s) {sorted(unknown)}; use json, json_object, regex, choice "
+                               "or grammar", where)
+        given = {k: v for k, v in spec.items() if v is not None and v is not False}
+        if not given:
+            return None
+        schema = given.get("json")
+        if schema is not None and not isinstance(schema, str | dict | bool):
+            raise RequestError(f"{where}.json must be a JSON schema (an object)", f"{where}.json")
+        choice = given.get("choice")
+        if choice is not None and (not isinstance(choice, list) or not choice
+                                   or not all(isinstance(c, str) for c in choice)):
+            raise RequestError(f"{where}.choice must be a non-empty list of strings", f"{where}.choice")
+        for key in ("regex", "grammar"):
+            if key in given and not isinstance(given[key], str):
+                raise RequestError(f"{where}.{key} must be a string", f"{where}.{key}")
+        if "json_object" in given and given["json_object"] is not True:
+            raise RequestError(f"{where}.json_object must be true or false", f"{where}.json_object")
+        return cls(json=schema if isinstance(schema, str) or schema is None else json.dumps(schema),
+                   json_object=given.get("json_object", False), regex=given.get("regex"),
+                   choice=tuple(choice) if choice is not None else None, grammar=given.get("grammar"))
+
+
 @dataclass
 class SamplingParams:
     """How one AR stage samples for one request. `temperature == 0` means greedy.
@@ -92,6 +152,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the output must match this grammar (vLLM's `structured_outputs`; OpenAI's response_format maps onto it)
+    structured_outputs: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,7 +172,8 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that needs the logits on the host: the argmax alone decides."""
-        return self.greedy and self.logprobs is None and not self.bad_token_ids and not self.penalised
+        return (self.greedy and self.logprobs is None and not self.bad_token_ids and not self.penalised
+                and self.structured_outputs is None)
 
     def validate(self) -> None:
         """Types, then ranges; normalises numbers (ints where floats are asked become floats) and sequences
@@ -176,6 +239,11 @@ class SamplingParams:
             raise bad("stop", f"a stop string has at most {MAX_STOP_STRING_CHARS} characters")
         for name in _FLOATS:
             setattr(self, name, float(getattr(self, name)))
+        if not isinstance(self.structured_outputs, StructuredOutput | None):
+            try:
+                self.structured_outputs = StructuredOutput.of(self.structured_outputs)
+            except RequestError as exc:
+                raise bad("structured_outputs", exc.message.removeprefix("structured_outputs").lstrip(": ")) from None
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Token ids the caller gave must be ids of the stage's vocabulary (the sampler indexes its logits by

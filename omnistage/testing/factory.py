@@ -18,7 +18,7 @@ import torch
 from omnistage import envs
 
 # Bump whenever the produced files change, so stale cached checkpoints are not reused.
-FACTORY_VERSION = 1
+FACTORY_VERSION = 2
 
 _HERE = Path(__file__).resolve().parent
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -58,7 +58,7 @@ def test_seeded_copies() -> None:
         ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "unknown field 'messages[0].extra'"),
         ({"messages": USER, "stream": "yes"}, "stream: Input should be a valid boolean (got 'yes')"),
         ({"messages": USER, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens and max_completion_tokens"),
-        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": USER, "response_format": {"type": "xml"}}, "response_format"),
         ({"messages": USER, "logit_bias": {"1": 2.0}}, "logit_bias is not supported"),
     ],
 )

@@ -12,6 +12,7 @@ from pydantic import Field
 from omnistage.config.deploy import Advanced, StageConfig, parse_section
 from omnistage.engine.ar.block_manager import BlockManager
 from omnistage.engine.ar.detokenizer import IncrementalDetokenizer
+from omnistage.engine.ar.grammar import Grammars
 from omnistage.engine.ar.memory import plan_num_blocks
 from omnistage.engine.ar.model import ARModel
 from omnistage.engine.ar.model_runner import DecodeLaunch, ModelRunner
@@ -139,6 +140,7 @@ class AREngine:
         self._columns: tuple[tuple, SamplingColumns, torch.Tensor] | None = None  # the last decode batch's
         self._arrivals = 0
         self._static_draw: StaticDraw | None = None
+        self._grammars: Grammars | None = None  # built on the first request with structured output
         graphs = self.runner.graphs
         vocab = graphs[min(graphs)][1].shape[-1] if graphs else model.vocab_size  # the logits' width
         self.vocab_size = vocab  # token ids a request names (stop, bad) must be below it: the sampler indexes by them
@@ -200,8 +202,18 @@ class AREngine:
                 self.tokenizer, seq.token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output,
             )
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars().matcher(params.structured_outputs)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
+
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestError(f"stage {self.name!r} has no tokenizer, so its output cannot follow a grammar",
+                                   "structured_outputs")
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, tuple(sorted(self.eos_token_ids)))
+        return self._grammars
 
     def add_input_chunk(self, request_id: str, chunk: StageInput) -> None:
         """More prompt tokens (a streamed prompt) or more added-embedding rows (a streamed side input)."""
@@ -367,6 +379,7 @@ class AREngine:
             and params.logprobs is None
             and (params.plain_greedy or self.config.overlap_sampled)
             and seq.num_output_tokens >= params.min_tokens
+            and seq.grammar is None  # its next mask depends on the token just drawn
             and pos not in seq.embeds
             # an added row (a talker's thinker states) for the position must have arrived
             and (seq.embed_adds is None or seq.adds_final or pos - seq.num_prompt_tokens < len(seq.embed_adds))
@@ -434,7 +447,10 @@ class AREngine:
                 ) -> tuple[list[int], list]:
         """A host-path step's tokens: the graph's argmax when every row is plain greedy; the device-side draw
         (cached columns, token history: no per-step lists) unless a row asks for logprobs; else from the rows'
-        own token lists."""
+        own token lists. Rows with structured output have their logits masked to what their grammar allows."""
+        constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:
+            self.grammars().mask(logits, constrained)
         if argmax is not None and all(s.params.plain_greedy and not self._banned(s) for s in seqs):
             return host_list(argmax), [None] * len(seqs)
         if all(s.params.logprobs is None for s in seqs):
@@ -610,7 +626,9 @@ class AREngine:
         # EOS and stop ids cannot be sampled before min_tokens (the sampler bans them).
         reason = None
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-        if is_eos or token_id in params.stop_token_ids or hit_stop_string:
+        # a grammar that is complete ends the reply (on the stop token it then allows)
+        done = seq.grammar is not None and (not seq.grammar.accept_token(token_id) or seq.grammar.is_terminated())
+        if is_eos or token_id in params.stop_token_ids or hit_stop_string or done:
             reason = "stop"
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             reason = "length"

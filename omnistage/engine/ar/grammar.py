@@ -10,61 +10,12 @@ untouched. Constrained sequences are sampled on the host path (their next mask d
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omnistage.errors import RequestError
-
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    """What a request's output must match; exactly one field is set (vLLM's StructuredOutputsParams)."""
-
-    json: str | None = None  # a JSON schema, serialised
-    json_object: bool = False  # any JSON object
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None  # EBNF (GBNF) or Lark
-
-    def __post_init__(self) -> None:
-        set_fields = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
-                      self.grammar is not None]
-        if sum(set_fields) != 1:
-            raise RequestError("structured output takes exactly one of json, json_object, regex, choice, grammar",
-                               "structured_outputs")
-
-    @classmethod
-    def of(cls, spec: Any, where: str = "structured_outputs") -> StructuredOutput | None:
-        """From vLLM's wire shape `{"json": schema | str, "regex": ..., "choice": [...], "grammar": ...,
-        "json_object": true}`; None for an empty or absent spec."""
-        if spec is None or isinstance(spec, StructuredOutput):
-            return spec
-        if not isinstance(spec, dict):
-            raise RequestError(f"{where} must be an object such as {{\"json\": <schema>}}", where)
-        unknown = set(spec) - {"json", "json_object", "regex", "choice", "grammar"}
-        if unknown:
-            raise RequestError(f"{where}: unknown field(s) {sorted(unknown)}; use json, json_object, regex, choice "
-                               "or grammar", where)
-        given = {k: v for k, v in spec.items() if v is not None and v is not False}
-        if not given:
-            return None
-        schema = given.get("json")
-        if schema is not None and not isinstance(schema, str | dict | bool):
-            raise RequestError(f"{where}.json must be a JSON schema (an object)", f"{where}.json")
-        choice = given.get("choice")
-        if choice is not None and (not isinstance(choice, list) or not choice
-                                   or not all(isinstance(c, str) for c in choice)):
-            raise RequestError(f"{where}.choice must be a non-empty list of strings", f"{where}.choice")
-        for key in ("regex", "grammar"):
-            if key in given and not isinstance(given[key], str):
-                raise RequestError(f"{where}.{key} must be a string", f"{where}.{key}")
-        if "json_object" in given and given["json_object"] is not True:
-            raise RequestError(f"{where}.json_object must be true or false", f"{where}.json_object")
-        return cls(json=schema if isinstance(schema, str) or schema is None else json.dumps(schema),
-                   json_object=given.get("json_object", False), regex=given.get("regex"),
-                   choice=tuple(choice) if choice is not None else None, grammar=given.get("grammar"))
+from omnistage.sampling_params import StructuredOutput
 
 
 class Grammars:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +53,7 @@ class Sequence:
     banned: tuple[bool, tuple[int, ...]] | None = None  # (before min_tokens?, ids the sampler may not pick)
     history_slot: int | None = None  # its row in the engine's device-side token history (penalties)
     history_len: int = 0  # output tokens recorded there
+    grammar: Any = None  # structured output: its matcher (xgrammar), advanced by every token it keeps
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

@@ -3,7 +3,9 @@ naming the field) and the response models the server renders. Nothing here knows
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import json
 import logging
 import time
 from dataclasses import replace
@@ -11,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from omnistage.errors import RequestError
 from omnistage.sampling_params import MAX_LOGPROBS, VLLM_IGNORED_FIELDS, InvalidParams, SamplingParams
 
 # Bounds of one request (the engines' limits are checked by SamplingParams and by each stage).
@@ -116,11 +119,23 @@ ContentPart = Annotated[
 ]
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, serialised
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
 
     @model_validator(mode="after")
     def _needs_content(self) -> ChatMessage:
@@ -134,7 +149,56 @@ class ChatMessage(_Strict):
         out.setdefault("content", "")
         if out["role"] == "developer":
             out["role"] = "system"
+        for call in out.get("tool_calls") or []:  # templates write the arguments as an object (`| tojson`)
+            with contextlib.suppress(json.JSONDecodeError):
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
         return out
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolName
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format {"type": "json_schema"} needs "json_schema": {"name", "schema"}')
+        return self
+
+    def structured(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.schema_ or {"type": "object"}}
+        return None
 
 
 class StreamOptions(_Strict):
@@ -146,6 +210,8 @@ class AudioOptions(_Strict):
 
     voice: str | None = None
     format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = "wav"
+    # the longest reply to speak, in seconds (the talker stops there); None: the deploy config's bound
+    max_duration_s: float | None = Field(None, gt=0, le=3600)
 
 
 # ---------------------------------------------------------------- requests: shared sampling fields
@@ -177,6 +243,14 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool | None = None
     bad_words: list[str] | None = None  # vLLM's; refused when non-empty
     return_token_ids: bool = False  # extension: each choice also carries its generated token ids
+    # structured output (vLLM): {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
+    # {"json_object": true}; older vLLM's guided_* fields mean the same
+    structured_outputs: dict[str, Any] | None = None
+    guided_decoding: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # omnistage / vLLM-Omni extension: sampling params per stage, in pipeline order (e.g. [thinker, talker,
     # token2wav]); fewer entries leave the later stages at their defaults, one entry applies to every AR stage.
     # Fields as in SamplingParams, or a whole vLLM SamplingParams dict.
@@ -228,6 +302,25 @@ class _SamplingRequest(_Strict):
     def _requested_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def structured_spec(self) -> dict[str, Any] | None:
+        """The one structured-output constraint the request asks for, in vLLM's shape; two is a 400."""
+        specs = {}
+        for name in ("structured_outputs", "guided_decoding"):
+            if getattr(self, name):
+                specs[name] = getattr(self, name)
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                specs[name] = {key: getattr(self, name)}
+        specs.update(self._own_structured())
+        if len(specs) > 1:
+            raise RequestError(f"{' and '.join(sorted(specs))} both constrain the output; send only one",
+                               sorted(specs)[1])
+        return next(iter(specs.values()), None)
+
+    def _own_structured(self) -> dict[str, dict[str, Any]]:
+        return {}
+
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """Deploy-config defaults overridden by what the client set. Raises InvalidParams (a 400) on
         out-of-range values, naming the parameter."""
@@ -239,9 +332,23 @@ class _SamplingRequest(_Strict):
         try:
             params = defaults.with_overrides(**{name: getattr(self, name) for name in names})
             # Set even when None: None max_tokens lets the runtime fill the remaining context.
-            return replace(params, max_tokens=self._requested_max_tokens(), logprobs=self._requested_logprobs())
+            return replace(params, max_tokens=self._requested_max_tokens(), logprobs=self._requested_logprobs(),
+                           structured_outputs=self.structured_spec() or defaults.structured_outputs)
         except InvalidParams as exc:
             raise exc.at("") from None
+
+
+def _call_schema(tool: ToolDef) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": tool.function.name},
+                                             "arguments": tool.function.parameters or {"type": "object"}},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def forced_tool_schema(tools: list[ToolDef], choice: Any) -> dict[str, Any]:
+    """The JSON a forced tool choice must produce: the named tool's call, or ("required") a list of calls."""
+    if isinstance(choice, NamedToolChoice):
+        return _call_schema(next(t for t in tools if t.function.name == choice.function.name))
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(t) for t in tools]}}
 
 
 def seeded_copies(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -259,11 +366,16 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     modalities: list[str] | None = None
     audio: AudioOptions | None = None
-    # Accepted for client compatibility; rejected when they ask for something unsupported.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    # chat template controls (vLLM's)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # Accepted for client compatibility.
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -275,19 +387,35 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("messages must contain at least one message")
         return value
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("tools (function calling) are not supported yet; remove 'tools'")
-        return value
+    @property
+    def tool_mode(self) -> str:
+        """How the reply's tool calls are read: "none" (no tools, or tool_choice none), "auto" (Hermes-style
+        blocks in the text), "named" / "required" (the grammar forces a JSON call / a JSON list of calls)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and value.get("type") != "text":
-            raise ValueError('only response_format {"type": "text"} is supported')
-        return value
+    def _own_structured(self) -> dict[str, dict[str, Any]]:
+        own = {}
+        if self.response_format is not None and (spec := self.response_format.structured()):
+            own["response_format"] = spec
+        if self.tool_mode in ("named", "required"):
+            own["tool_choice"] = {"json": forced_tool_schema(self.tools, self.tool_choice)}
+        return own
+
+    def template_options(self) -> dict[str, Any]:
+        """What the family's chat template and processor get besides the messages."""
+        options: dict[str, Any] = {"add_generation_prompt": self.add_generation_prompt,
+                                   "continue_final_message": self.continue_final_message}
+        if self.tools and self.tool_choice != "none":
+            options["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        if self.chat_template_kwargs:
+            options["chat_template_kwargs"] = dict(self.chat_template_kwargs)
+        if self.mm_processor_kwargs:
+            options["mm_processor_kwargs"] = dict(self.mm_processor_kwargs)
+        return options
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -296,6 +424,15 @@ class ChatCompletionRequest(_SamplingRequest):
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send only one")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs 'tools' to choose from")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among 'tools'")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message: send add_generation_prompt=false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
 
     def _requested_max_tokens(self) -> int | None:
@@ -425,6 +562,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     audio: MessageAudio | None = _optional()
+    tool_calls: list[dict[str, Any]] | None = _optional()
 
 
 class ChatChoice(BaseModel):
@@ -454,6 +592,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = _optional()
     content: str | None = _optional()
     audio: DeltaAudio | None = _optional()
+    tool_calls: list[dict[str, Any]] | None = _optional()  # each with its `index` among the choice's calls
 
 
 class ChatChunkChoice(BaseModel):

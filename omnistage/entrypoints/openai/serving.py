@@ -45,6 +45,7 @@ from omnistage.entrypoints.openai.protocol import (
     drop_ignored,
     seeded_copies,
 )
+from omnistage.entrypoints.openai.tool_parsers import StreamedToolCalls, tool_calls_of
 from omnistage.errors import RequestError, StageError
 from omnistage.media import encode_audio
 from omnistage.sampling_params import VLLM_CHECKED_FIELDS, VLLM_IGNORED_FIELDS, InvalidParams, SamplingParams
@@ -130,7 +131,9 @@ def _apply_stage_params(engine: AsyncOmni, body: ChatCompletionRequest | Complet
 def chat_requests(engine: AsyncOmni, body: ChatCompletionRequest, rid: str) -> list[OmniRequest]:
     params = _choice_params(engine, body)
     modalities = output_modalities(engine, body.modalities)
-    options = {"voice": body.audio.voice, "audio_format": body.audio.format} if body.audio else {}
+    options = body.template_options()
+    if body.audio:
+        options.update(voice=body.audio.voice, audio_format=body.audio.format, max_duration_s=body.audio.max_duration_s)
     requests = _fan_out(rid, [{"messages": body.message_dicts()}], params, output_modalities=modalities,
                         options=options)
     return _apply_stage_params(engine, body, requests)
@@ -174,6 +177,9 @@ def entry_params(entry: Any, defaults: SamplingParams, where: str, stage: str = 
         if value is not None and (type(value) is not int or value != 1):
             raise RequestError(f"{where}.{name}: n and best_of are per request, not per stage; set 'n' on the "
                                "request", f"{where}.{name}")
+    guided = entry.pop("guided_decoding", None)
+    if guided is not None and entry.get("structured_outputs") is None:
+        entry["structured_outputs"] = guided  # older vLLM's name for it
     for name in ("logit_bias", "bad_words"):
         if entry.pop(name, None):
             raise RequestError(f"{where}.{name} is not supported; remove it", f"{where}.{name}")
@@ -474,20 +480,28 @@ async def _chunks(
         yield chunk(choices=[], usage=usage_of(counts, body.n))
 
 
+def _reply(body: ChatCompletionRequest, out: OmniOutput) -> tuple[str | None, list[dict] | None, str | None]:
+    """A whole reply's (content, tool calls, finish reason), its calls read as the request's tool mode says."""
+    content, calls = tool_calls_of(out.text, body.tool_mode)
+    if not calls:
+        return content, None, out.finish_reason
+    return content or None, [c.to_dict() for c in calls], "tool_calls"
+
+
 def render_chat(
     body: ChatCompletionRequest, rid: str, model: str, outputs: list[OmniOutput], texts: TokenTexts
 ) -> ChatCompletion:
     fmt = body.audio.format if body.audio else "wav"
-    choices = [
-        ChatChoice(
+    choices = []
+    for i, out in enumerate(outputs):
+        content, calls, reason = _reply(body, out)
+        choices.append(ChatChoice(
             index=i,
-            message=AssistantMessage(content=out.text, audio=_message_audio(out, fmt)),
+            message=AssistantMessage(content=content, audio=_message_audio(out, fmt), tool_calls=calls),
             logprobs=chat_logprobs(out.logprobs, texts) if body.logprobs else None,
-            finish_reason=out.finish_reason,
+            finish_reason=reason,
             token_ids=out.token_ids if body.return_token_ids else None,
-        )
-        for i, out in enumerate(outputs)
-    ]
+        ))
     return ChatCompletion(id=rid, model=model, choices=choices, usage=usage_of(outputs, body.n))
 
 
@@ -497,18 +511,21 @@ async def chat_chunks(
     """Each choice opens with an assistant-role chunk; audio comes as base64 pcm16 pieces."""
     chunk = partial(ChatCompletionChunk, id=rid, created=int(time.time()), model=model)
     audio_ids = [_audio_id() for _ in fan.requests]
+    tools = [StreamedToolCalls(body.tool_mode) for _ in fan.requests]
 
     def choice(i: int, out: OmniOutput) -> ChatChunkChoice | None:
         audio = None
         if out.audio is not None and out.audio.size:
             audio = DeltaAudio(id=audio_ids[i], data=_b64(encode_audio(out.audio, out.sample_rate, "pcm16")))
-        if not (out.text or out.token_ids or audio or out.finished):
+        content, calls = tools[i].feed(out.text, out.finished)
+        if not (content or calls or out.token_ids or audio or out.finished):
             return None
+        reason = ("tool_calls" if tools[i].num_calls else out.finish_reason) if out.finished else None
         return ChatChunkChoice(
             index=i,
-            delta=ChatDelta(content=out.text or None, audio=audio),
+            delta=ChatDelta(content=content or None, audio=audio, tool_calls=calls or None),
             logprobs=chat_logprobs(out.logprobs, texts) if body.logprobs else None,
-            finish_reason=out.finish_reason if out.finished else None,
+            finish_reason=reason,
             token_ids=out.token_ids if body.return_token_ids else None,
         )
 

@@ -99,3 +99,55 @@ class ToolCallStream:
         rest = (OPEN if self.in_call else "") + self.pending
         self.pending, self.in_call = "", False
         return rest, []
+
+
+def _forced_calls(text: str, mode: str) -> list[ToolCall]:
+    """Calls from a reply a grammar forced to be one JSON call ("named") or a JSON list of them ("required")."""
+    try:
+        data = json.loads(text, strict=False)
+    except json.JSONDecodeError:
+        return []
+    items = data if mode == "required" and isinstance(data, list) else [data]
+    calls = [_call_of(json.dumps(item)) for item in items]
+    return [c for c in calls if c is not None]
+
+
+def tool_calls_of(text: str, mode: str) -> tuple[str, list[ToolCall]]:
+    """A finished reply's (content, calls) under the request's tool mode: "none", "auto", "named", "required"."""
+    if mode == "none":
+        return text, []
+    if mode == "auto":
+        return parse_tool_calls(text)
+    calls = _forced_calls(text, mode)
+    return ("" if calls else text), calls
+
+
+class StreamedToolCalls:
+    """One streamed choice's text deltas -> (content delta, tool-call deltas in OpenAI's streamed shape)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.num_calls = mode, 0
+        self.stream = ToolCallStream() if mode == "auto" else None
+        self.held = ""  # a forced reply is one JSON document: read at its end
+
+    def _deltas(self, calls: list[ToolCall]) -> list[dict]:
+        out = []
+        for call in calls:
+            out.append({"index": self.num_calls, **call.to_dict()})
+            self.num_calls += 1
+        return out
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        if self.mode == "none":
+            return text, []
+        if self.stream is None:
+            self.held += text
+            if not finished:
+                return "", []
+            content, calls = tool_calls_of(self.held, self.mode)
+            return content, self._deltas(calls)
+        content, calls = self.stream.feed(text)
+        if finished:
+            rest, _ = self.stream.finish()
+            content += rest
+        return content, self._deltas(calls)

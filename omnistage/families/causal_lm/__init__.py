@@ -32,6 +32,20 @@ def template_error(exc: Exception) -> RequestError:
                         "and content parts", "messages")
 
 
+def template_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    """The request's chat-template arguments: tools, generation prompt or continuing the last message, and the
+    caller's own `chat_template_kwargs` (which cannot replace the messages or turn tokenizing off)."""
+    kwargs = dict(options.get("chat_template_kwargs") or {})
+    for reserved in ("conversation", "messages", "tokenize", "return_dict", "return_tensors"):
+        kwargs.pop(reserved, None)
+    kwargs["add_generation_prompt"] = options.get("add_generation_prompt", True)
+    if options.get("continue_final_message"):
+        kwargs["continue_final_message"] = True
+    if options.get("tools"):
+        kwargs["tools"] = options["tools"]
+    return kwargs
+
+
 class TextPipeline(Pipeline):
     """Shared by every family whose entry stage is a tokenizer-driven LM."""
 
@@ -50,7 +64,7 @@ class TextPipeline(Pipeline):
             raise RequestError("this model has no chat template; use /v1/completions with a prompt", "messages")
         try:
             return list(self.tokenizer.apply_chat_template(
-                request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                request.messages, tokenize=True, return_dict=False, **template_kwargs(request.options)
             ))
         except Exception as exc:  # template errors are the caller's messages' fault
             raise template_error(exc) from None
