@@ -21,9 +21,10 @@ VLLM_IGNORED_FIELDS = frozenset({
     "_real_n", "_all_stop_token_ids", "_bad_words_token_ids",  # vLLM's private fields, when a dict carries them
 })
 # vLLM's fields checked rather than applied: n and best_of belong to the request, not to a stage; guided_decoding
-# (older vLLM) is read as structured_outputs; logit_bias and bad_words are refused when non-empty (unsupported:
-# silently ignoring them would change what is sampled).
-VLLM_CHECKED_FIELDS = frozenset({"n", "best_of", "logit_bias", "bad_words", "guided_decoding"})
+# (older vLLM) is read as structured_outputs; bad_words is refused when non-empty (unsupported: silently ignoring
+# it would change what is sampled).
+VLLM_CHECKED_FIELDS = frozenset({"n", "best_of", "bad_words", "guided_decoding"})
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 # Bounds every entry point enforces (the engines rely on them).
@@ -154,6 +155,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # the output must match this grammar (vLLM's `structured_outputs`; OpenAI's response_format maps onto it)
     structured_outputs: StructuredOutput | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -173,7 +175,7 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """Greedy with nothing that needs the logits on the host: the argmax alone decides."""
         return (self.greedy and self.logprobs is None and not self.bad_token_ids and not self.penalised
-                and self.structured_outputs is None)
+                and self.structured_outputs is None and not self.logit_bias)
 
     def validate(self) -> None:
         """Types, then ranges; normalises numbers (ints where floats are asked become floats) and sequences
@@ -239,11 +241,31 @@ class SamplingParams:
             raise bad("stop", f"a stop string has at most {MAX_STOP_STRING_CHARS} characters")
         for name in _FLOATS:
             setattr(self, name, float(getattr(self, name)))
+        self._check_logit_bias(bad)
         if not isinstance(self.structured_outputs, StructuredOutput | None):
             try:
                 self.structured_outputs = StructuredOutput.of(self.structured_outputs)
             except RequestError as exc:
                 raise bad("structured_outputs", exc.message.removeprefix("structured_outputs").lstrip(": ")) from None
+
+    def _check_logit_bias(self, bad: Any) -> None:
+        """OpenAI's shape: token ids (as strings on the wire, ints here) to biases in [-100, 100]."""
+        bias = self.logit_bias
+        if bias is None:
+            self.logit_bias = bias = {}
+        if not isinstance(bias, dict):
+            raise bad("logit_bias", "must map token ids to numbers")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+        parsed = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isdigit() else key
+            if not _is_int(token) or token < 0:
+                raise bad("logit_bias", f"keys must be token ids (got {short_repr(key)})")
+            if not (_is_int(value) or isinstance(value, float)) or not -100 <= value <= 100:
+                raise bad("logit_bias", f"biases must be numbers in [-100, 100] (got {short_repr(value)})")
+            parsed[token] = float(value)
+        self.logit_bias = parsed
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Token ids the caller gave must be ids of the stage's vocabulary (the sampler indexes its logits by
@@ -252,6 +274,9 @@ class SamplingParams:
             if any(t >= vocab_size for t in getattr(self, name)):
                 raise InvalidParams(name, getattr(self, name), f"token ids must be in [0, {vocab_size}), this "
                                     "stage's vocabulary")
+        if any(t >= vocab_size for t in self.logit_bias):
+            raise InvalidParams("logit_bias", self.logit_bias, f"token ids must be in [0, {vocab_size}), this "
+                                "stage's vocabulary")
 
     def with_seed_offset(self, offset: int) -> SamplingParams:
         """Choice `offset` of an n-way fan-out: seed + offset, wrapped into the seed range (unseeded: as is)."""

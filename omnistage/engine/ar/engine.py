@@ -380,6 +380,7 @@ class AREngine:
             and (params.plain_greedy or self.config.overlap_sampled)
             and seq.num_output_tokens >= params.min_tokens
             and seq.grammar is None  # its next mask depends on the token just drawn
+            and not params.logit_bias
             and pos not in seq.embeds
             # an added row (a talker's thinker states) for the position must have arrived
             and (seq.embed_adds is None or seq.adds_final or pos - seq.num_prompt_tokens < len(seq.embed_adds))
@@ -447,10 +448,18 @@ class AREngine:
                 ) -> tuple[list[int], list]:
         """A host-path step's tokens: the graph's argmax when every row is plain greedy; the device-side draw
         (cached columns, token history: no per-step lists) unless a row asks for logprobs; else from the rows'
-        own token lists. Rows with structured output have their logits masked to what their grammar allows."""
+        own token lists. Rows with structured output have their logits masked to what their grammar allows, rows with
+        a logit_bias their biases added."""
         constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained or any(s.params.logit_bias for s in seqs):
+            logits = logits.clone()  # may be a graph's output buffer, and a failed batch is sampled again by row
         if constrained:
             self.grammars().mask(logits, constrained)
+        for i, seq in enumerate(seqs):
+            if seq.params.logit_bias:
+                ids = torch.tensor(list(seq.params.logit_bias), device=logits.device)
+                bias = torch.tensor(list(seq.params.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+                logits[i].index_add_(0, ids, bias)
         if argmax is not None and all(s.params.plain_greedy and not self._banned(s) for s in seqs):
             return host_list(argmax), [None] * len(seqs)
         if all(s.params.logprobs is None for s in seqs):

@@ -271,13 +271,6 @@ class _SamplingRequest(_Strict):
         """Some clients send `null` for every unset field; treat it as "not sent"."""
         return cls.model_fields[info.field_name].default if value is None else value
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported; remove it")
-        return value
-
     @field_validator("bad_words")
     @classmethod
     def _no_bad_words(cls, value: list[str] | None) -> list[str] | None:
@@ -327,7 +320,7 @@ class _SamplingRequest(_Strict):
         names = (
             "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
             "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-            "include_stop_str_in_output",
+            "include_stop_str_in_output", "logit_bias",
         )  # fmt: skip
         try:
             params = defaults.with_overrides(**{name: getattr(self, name) for name in names})

@@ -180,7 +180,7 @@ def entry_params(entry: Any, defaults: SamplingParams, where: str, stage: str = 
     guided = entry.pop("guided_decoding", None)
     if guided is not None and entry.get("structured_outputs") is None:
         entry["structured_outputs"] = guided  # older vLLM's name for it
-    for name in ("logit_bias", "bad_words"):
+    for name in ("bad_words",):
         if entry.pop(name, None):
             raise RequestError(f"{where}.{name} is not supported; remove it", f"{where}.{name}")
     try:
