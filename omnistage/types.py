@@ -41,6 +41,9 @@ class StageInput:
     # sum: the engine sums the rows of a whole step at once (a sender does not launch a kernel per request).
     embed_adds: torch.Tensor | tuple[torch.Tensor, ...] | None = None
     embed_add_default: torch.Tensor | None = None
+    # "last" | "mean": the prompt's final hidden states pooled into one embedding is the output (AR stages whose
+    # family configures the "last" hidden-state layer); nothing is generated
+    pooling: str | None = None
 
 
 @dataclass
@@ -136,6 +139,7 @@ class OmniOutput:
     audio: np.ndarray | None = None  # mono float32 samples at `sample_rate`
     sample_rate: int | None = None
     images: list[Any] = field(default_factory=list)
+    embedding: np.ndarray | None = None  # float32 [hidden], for a pooling request
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
@@ -159,6 +163,8 @@ class OmniOutput:
             self.audio = later.audio if self.audio is None else np.concatenate([self.audio, later.audio])
             self.sample_rate = later.sample_rate
         self.images += later.images
+        if later.embedding is not None:
+            self.embedding = later.embedding
         for attr in ("finished", "finish_reason", "error", "error_status", "metrics"):
             setattr(self, attr, getattr(later, attr))
         self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens

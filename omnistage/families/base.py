@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Protocol
 
 from omnistage.config.deploy import DeployConfig, StageConfig
 from omnistage.engine.base import Engine
+from omnistage.errors import RequestError
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
 # Turns stage i's output (a delta, or the merged whole when not streaming) into stage j's input.
@@ -46,6 +47,7 @@ class Pipeline:
     max_model_len: int = 0  # entry stage's context length
     audio_sample_rate: ClassVar[int | None] = None  # the rate of the audio it outputs, if it outputs audio
     input_modalities: ClassVar[tuple[str, ...]] = ("text",)  # what a request's messages may carry
+    serves_embeddings: ClassVar[bool] = False  # preprocess honours options["embed"] (a pooled prompt, no text)
 
     @property
     def entry(self) -> str:
@@ -68,6 +70,24 @@ class Pipeline:
             needed |= {e.src for e in self.edges if e.dst in needed}
             changed = len(needed) != before
         return [s.name for s in self.stages if s.name in needed]
+
+    def transcription_messages(self, audio: Any, task: str, language: str | None = None,
+                               prompt: str | None = None) -> list[dict[str, Any]]:
+        """The chat messages that make the entry stage write what `audio` (mono float32 at 16 kHz) says: `task`
+        "transcribe" (in its own language) or "translate" (into English); `language` names the spoken language
+        when the caller knows it, `prompt` is text to follow (earlier speech, spellings). A family whose model
+        was trained on its own instruction or system prompt overrides this. Only models that hear serve it."""
+        if "audio" not in self.input_modalities:
+            raise RequestError("this model does not take audio input; serve a model that hears (e.g. Qwen2.5-Omni)",
+                               "model")
+        said = f" The audio is in {language}." if language else ""
+        instruction = ("Translate the audio into English text." if task == "translate"
+                       else "Transcribe the audio into text.") + said
+        if prompt:
+            instruction += f" Follow the style and spellings of this text, which may precede the audio: {prompt}"
+        instruction += " Reply with the text only."
+        content = [{"type": "audio", "audio": audio}, {"type": "text", "text": instruction}]
+        return [{"role": "user", "content": content}]
 
     # Family-specific behaviour; subclasses override.
     def preprocess(self, request: OmniRequest) -> StageInput:

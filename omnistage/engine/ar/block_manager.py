@@ -46,8 +46,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for the longest cached prefix of a new sequence; returns the
         number of tokens they cover. The last token is always recomputed (its logits are needed)."""
-        if not self.enable_prefix_caching or not seq.cacheable or seq.block_table:
-            return 0
+        if not self.enable_prefix_caching or not seq.cacheable or seq.block_table or seq.pooling == "mean":
+            return 0  # (mean pooling reads every prompt position's hidden state: none may come from the cache)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for block_hash in self._extend_hashes(seq, max_blocks):
             block = self.cached.get(block_hash)

@@ -180,6 +180,9 @@ class AREngine:
     def add_request(self, inp: StageInput) -> None:
         inp = self._prepare(inp, first=True)
         params = self.validate(inp)
+        if inp.pooling is not None and (inp.pooling not in ("last", "mean")
+                                        or "last" not in self.config.hidden_state_layers):
+            raise RequestError(f"stage {self.name!r} cannot pool {inp.pooling!r} embeddings", "pooling")
         max_tokens = params.max_tokens or self.config.max_model_len - len(inp.token_ids)
         seq = Sequence(
             request_id=inp.request_id,
@@ -188,7 +191,8 @@ class AREngine:
             max_tokens=max_tokens,
             arrival=self._arrivals,
             input_final=inp.final,
-            return_hidden=inp.return_hidden_states,
+            return_hidden=inp.return_hidden_states or inp.pooling is not None,
+            pooling=inp.pooling,
         )
         self._arrivals += 1
         if inp.embed_adds is not None or inp.embed_add_default is not None:
@@ -316,12 +320,16 @@ class AREngine:
         sampled = dict(zip(result.sample_rows, self._sample_each(sampling, result.logits, result.argmax),
                            strict=True))
         outputs = []
-        for i, (seq, _) in enumerate(batch):
+        for i, (seq, n) in enumerate(batch):
             if sampled.get(i, ()) is None:
                 outputs.append(self._fail(seq))
                 continue
             try:
                 out = StageOutput(request_id=seq.request_id, stage=self.name)
+                if seq.pooling is not None:  # its sampled token, if any, is not its output
+                    self._pool(seq, out, result.hidden, result.row_spans[i], seq.num_computed - n)
+                    self._emit(seq, out, outputs)
+                    continue
                 if want_hidden and seq.return_hidden:
                     span = result.row_spans[i]
                     self._collect_hidden(seq, out, result.hidden, span, seq.num_computed - (span[1] - span[0]))
@@ -380,6 +388,7 @@ class AREngine:
             and (params.plain_greedy or self.config.overlap_sampled)
             and seq.num_output_tokens >= params.min_tokens
             and seq.grammar is None  # its next mask depends on the token just drawn
+            and seq.pooling is None  # (a one-token prompt to pool looks like a decode step)
             and not params.logit_bias
             and pos not in seq.embeds
             # an added row (a talker's thinker states) for the position must have arrived
@@ -624,6 +633,23 @@ class AREngine:
         for name, layer in self.config.hidden_state_layers.items():
             out.hidden_states[name] = hidden[layer][span[0] + skip : span[1]]
         seq.hidden_sent = start_pos + span[1] - span[0]
+
+    def _pool(self, seq: Sequence, out: StageOutput, hidden: dict[int, torch.Tensor], span: tuple[int, int],
+              start_pos: int) -> None:
+        """Fold this step's final hidden rows of the prompt into the sequence's embedding (rows recomputed after a
+        preemption are skipped); once the whole prompt is in, output it and finish."""
+        skip = max(0, seq.hidden_sent - start_pos)
+        rows = hidden[self.config.hidden_state_layers["last"]][span[0] + skip : span[1]].float()
+        if len(rows):
+            seq.hidden_sent = start_pos + span[1] - span[0]
+            if seq.pooling == "last":
+                seq.pooled = rows[-1]
+            else:
+                seq.pooled = rows.sum(0) if seq.pooled is None else seq.pooled + rows.sum(0)
+        if seq.num_computed >= seq.num_prompt_tokens:
+            pooled = seq.pooled if seq.pooling == "last" else seq.pooled / seq.num_prompt_tokens
+            out.tensors["embedding"] = pooled.cpu()
+            out.finished, out.finish_reason = True, "stop"
 
     def _append_token(self, seq: Sequence, out: StageOutput, token_id: int, logprob) -> None:
         params = seq.params

@@ -54,6 +54,8 @@ class Sequence:
     history_slot: int | None = None  # its row in the engine's device-side token history (penalties)
     history_len: int = 0  # output tokens recorded there
     grammar: Any = None  # structured output: its matcher (xgrammar), advanced by every token it keeps
+    pooling: str | None = None  # "last" | "mean": output the prompt's pooled hidden state, generate nothing
+    pooled: torch.Tensor | None = None  # the running sum ("mean") or the latest row ("last")
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from typing import Any, ClassVar, Literal
 
+import torch
+from pydantic import BaseModel, ConfigDict, Field
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from omnistage.config.deploy import DeployConfig, StageConfig
+from omnistage.config.deploy import DeployConfig, StageConfig, parse_section
 from omnistage.devices import resolve_device
 from omnistage.engine.ar.engine import ARAdvanced, AREngine, AREngineConfig
 from omnistage.errors import RequestError
@@ -15,7 +18,7 @@ from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Pipeline, StageSpec
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 from omnistage.sampling_params import SamplingParams
-from omnistage.types import OmniRequest, StageInput
+from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
 logger = logging.getLogger(__name__)
 _SUPPORTED = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
@@ -86,12 +89,45 @@ class TextPipeline(Pipeline):
         return request.stage_params.get(self.entry) or request.stage_params.get("*") or defaults
 
 
+class LMOptions(BaseModel):
+    """`stages.lm.options`: how /v1/embeddings turns a prompt into one vector."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    pooling: Literal["last", "mean"] = Field("last", description="the final hidden state of the prompt's last "
+                                             "token, or the mean over all its tokens")
+    normalize: bool = Field(True, description="embeddings scaled to unit length")
+
+
 class CausalLMPipeline(TextPipeline):
+    serves_embeddings: ClassVar[bool] = True
+
     def preprocess(self, request: OmniRequest) -> StageInput:
-        return StageInput(request.request_id, self.tokenize(request), params=self.entry_params(request))
+        ids = self.tokenize(request)
+        if request.options.get("embed"):  # /v1/embeddings: one forward over the prompt, nothing generated
+            return StageInput(request.request_id, ids, params=SamplingParams(max_tokens=1, temperature=0),
+                              pooling=self.options.pooling)
+        return StageInput(request.request_id, ids, params=self.entry_params(request))
+
+    @functools.cached_property
+    def options(self) -> LMOptions:
+        return parse_section(LMOptions, self.stage_config("lm").options, "stages.lm.options")
+
+    def to_output(self, stage: str, out: StageOutput) -> OmniOutput:
+        result = super().to_output(stage, out)
+        if (embedding := out.tensors.get("embedding")) is not None:
+            if self.options.normalize:
+                embedding = torch.nn.functional.normalize(embedding, dim=-1)
+            result.embedding = embedding.numpy()
+        return result
 
     def build_engine(self, stage: str, device: str | None = None) -> AREngine:
-        return build_ar_engine(self, stage, device)
+        return build_ar_engine(self, stage, device, {"last": last_layer(self.model_path)})
+
+
+def last_layer(path: Any) -> int:
+    """The index of the final (normed) hidden state, as transformers numbers hidden states."""
+    return hf.AutoConfig.from_pretrained(path).get_text_config().num_hidden_layers
 
 
 def build_ar_engine(
@@ -145,7 +181,7 @@ class CausalLMFamily:
         return {}
 
     def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> CausalLMPipeline:
-        deploy.check_stages({"lm": ARAdvanced})
+        deploy.check_stages({"lm": ARAdvanced}, options={"lm": LMOptions})
         pipeline = CausalLMPipeline(info.path, deploy, [StageSpec("lm", "ar", outputs=("text",))])
         pipeline.tokenizer = hf.load_tokenizer(info.path)
         pipeline.max_model_len = context_length(
