@@ -201,3 +201,31 @@ def test_speech_demo_streams_text_and_writes_the_audio(tmp_path, tiny_qwen2_5_om
     with wave.open(str(out)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
         assert w.getnframes() > 0
+
+
+def test_streamed_wav_opens_with_a_header_and_compressed_streams_are_refused(client: openai.OpenAI) -> None:
+    """Streamed audio is never silently switched: wav is a streaming header then PCM; mp3/flac/opus are a 400."""
+    stream = client.chat.completions.create(
+        model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "wav"}, stream=True, extra_body=SPEECH,
+    )
+    data = b""
+    for chunk in stream:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        audio = delta and (getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio"))
+        if audio:
+            data += base64.b64decode(audio["data"] if isinstance(audio, dict) else audio.data)
+    assert data[:4] == b"RIFF" and data[8:16] == b"WAVEfmt " and data[36:40] == b"data"
+    assert len(data) == 44 + 12 * 2 * 240 * 2
+    with pytest.raises(openai.BadRequestError, match="streamed audio is pcm16 or wav"):
+        client.chat.completions.create(
+            model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
+            audio={"voice": "Ethan", "format": "mp3"}, stream=True, extra_body=SPEECH)
+
+
+def test_max_duration_bounds_speech_over_http(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="omni", messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16", "max_duration_s": 0.1}, extra_body=SPEECH,
+    )
+    assert len(base64.b64decode(out.choices[0].message.audio.data)) == 5 * 2 * 240 * 2  # 0.1 s: 5 codes

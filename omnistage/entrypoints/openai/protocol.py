@@ -417,6 +417,9 @@ class ChatCompletionRequest(_SamplingRequest):
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send only one")
+        if self.stream and self.audio is not None and self.audio.format not in ("pcm16", "wav"):
+            raise ValueError(f"streamed audio is pcm16 or wav (a header, then PCM), not {self.audio.format}; set "
+                             "audio.format, or do not stream")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice needs 'tools' to choose from")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {

@@ -13,6 +13,7 @@ import codecs
 import itertools
 import logging
 import re
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -417,6 +418,14 @@ def completion_logprobs(
 # ---------------------------------------------------------------- audio
 
 
+def streaming_wav_header(rate: int, channels: int = 1) -> bytes:
+    """A 16-bit PCM WAV header whose sizes say "unknown" (0xFFFFFFFF), as streamed WAV players expect."""
+    unknown = 0xFFFFFFFF
+    return (b"RIFF" + struct.pack("<I", unknown) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, channels, rate,
+                                                                            rate * channels * 2, channels * 2, 16)
+            + b"data" + struct.pack("<I", unknown))
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -512,11 +521,15 @@ async def chat_chunks(
     chunk = partial(ChatCompletionChunk, id=rid, created=int(time.time()), model=model)
     audio_ids = [_audio_id() for _ in fan.requests]
     tools = [StreamedToolCalls(body.tool_mode) for _ in fan.requests]
+    wav_header = [body.audio is not None and body.audio.format == "wav" for _ in fan.requests]
 
     def choice(i: int, out: OmniOutput) -> ChatChunkChoice | None:
         audio = None
         if out.audio is not None and out.audio.size:
-            audio = DeltaAudio(id=audio_ids[i], data=_b64(encode_audio(out.audio, out.sample_rate, "pcm16")))
+            pcm = encode_audio(out.audio, out.sample_rate, "pcm16")
+            if wav_header[i]:  # streamed wav: a header of unknown length opens the first piece
+                pcm, wav_header[i] = streaming_wav_header(out.sample_rate) + pcm, False
+            audio = DeltaAudio(id=audio_ids[i], data=_b64(pcm))
         content, calls = tools[i].feed(out.text, out.finished)
         if not (content or calls or out.token_ids or audio or out.finished):
             return None
