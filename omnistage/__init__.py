@@ -2,7 +2,7 @@
 
 from omnistage.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "Omni", "AsyncOmni"]
+__all__ = ["SamplingParams", "Omni", "AsyncOmni", "OmniRequest", "OmniOutput"]
 __version__ = "0.1.0"
 
 
@@ -16,4 +16,8 @@ def __getattr__(name: str):
         from omnistage.entrypoints.async_omni import AsyncOmni
 
         return AsyncOmni
+    if name in ("OmniRequest", "OmniOutput"):
+        from omnistage import types
+
+        return getattr(types, name)
     raise AttributeError(name)

@@ -9,6 +9,7 @@ backend serialises them (tensors as raw bytes, never pickled).
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +101,7 @@ class OmniRequest:
     """One user request as the orchestrator sees it. Exactly one of `messages`, `prompt`,
     `prompt_token_ids` is set."""
 
-    request_id: str
+    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex}")
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
