@@ -122,6 +122,7 @@ class OmniRequest:
 @dataclass
 class StageMetrics:
     stage: str
+    start_time: float = field(default_factory=time.monotonic)  # when the request was sent to the stage
     first_output_time: float | None = None
     finish_time: float | None = None
     num_prompt_tokens: int = 0

@@ -6,16 +6,25 @@ Per stage and replica: up, restarts, queue depth, running and outstanding reques
 step time and batch size (summaries: count = steps), the engine loop's time outside steps (applying
 arriving inputs, routing outputs on), and payload transfers to and from the
 stage (bytes, count, seconds spent encoding/putting and getting/decoding on both ends).
-Per server: requests in flight and finished, by outcome.
+Per server: requests in flight and finished, by outcome and status; prompt, cached-prompt and generated token
+counts; latency histograms (time to first token, time per output token, end to end, time to first audio) and
+each stage's time to its first output (queueing plus prefill), recorded as requests finish (`RequestStats`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 __all__ = ["CONTENT_TYPE_LATEST", "RuntimeCollector", "make_registry", "render"]
@@ -29,6 +38,90 @@ _GAUGES = [  # (metric, stats key, help)
     ("omnistage_stage_kv_blocks_used", "kv_blocks_used", "KV cache blocks in use (AR stages)"),
     ("omnistage_stage_kv_blocks_total", "kv_blocks_total", "KV cache blocks (AR stages)"),
 ]
+
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class _Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds, self.counts, self.sum = buckets, [0] * (len(buckets) + 1), 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        total, out = 0, []
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            total += count
+            out.append((bound, total))
+        return out
+
+
+class RequestStats:
+    """Per-request figures, recorded once as each request finishes (the orchestrator calls `observe`)."""
+
+    HISTOGRAMS = {  # name -> (help, buckets)
+        "time_to_first_token_seconds": ("Arrival to the first text token", _LATENCY_BUCKETS),
+        "time_per_output_token_seconds": ("Mean time between text tokens after the first", _TPOT_BUCKETS),
+        "e2e_request_latency_seconds": ("Arrival to the last output", _LATENCY_BUCKETS),
+        "time_to_first_audio_seconds": ("Arrival to the first audio (speech replies)", _LATENCY_BUCKETS),
+    }
+
+    def __init__(self, text_stages: set[str], audio_stages: set[str]) -> None:
+        self.text_stages, self.audio_stages = text_stages, audio_stages
+        self.lock = threading.Lock()
+        self.hist = {name: _Histogram(buckets) for name, (_, buckets) in self.HISTOGRAMS.items()}
+        self.stage_first = {}  # stage -> histogram of its time to first output
+        self.tokens = {"prompt": 0, "cached_prompt": 0, "generation": 0}
+        self.status: dict[str, int] = {}
+
+    def observe(self, arrival: float, metrics: dict[str, Any], status: str, now: float) -> None:
+        """`metrics`: the request's StageMetrics by stage; `status`: "ok", an HTTP status, or "abort"."""
+        with self.lock:
+            self.status[status] = self.status.get(status, 0) + 1
+            self.hist["e2e_request_latency_seconds"].observe(now - arrival)
+            for stage, m in metrics.items():
+                if m.first_output_time is None:
+                    continue
+                first = self.stage_first.setdefault(stage, _Histogram(_LATENCY_BUCKETS))
+                first.observe(m.first_output_time - m.start_time)
+                if stage in self.text_stages:
+                    self.tokens["prompt"] += m.num_prompt_tokens
+                    self.tokens["cached_prompt"] += m.num_cached_tokens
+                    self.tokens["generation"] += m.num_output_tokens
+                    self.hist["time_to_first_token_seconds"].observe(m.first_output_time - arrival)
+                    if m.finish_time is not None and m.num_output_tokens > 1:
+                        tpot = (m.finish_time - m.first_output_time) / (m.num_output_tokens - 1)
+                        self.hist["time_per_output_token_seconds"].observe(tpot)
+                if stage in self.audio_stages:
+                    self.hist["time_to_first_audio_seconds"].observe(m.first_output_time - arrival)
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            for name, (doc, _) in self.HISTOGRAMS.items():
+                family = HistogramMetricFamily(f"omnistage_{name}", doc)
+                family.add_metric([], self.hist[name].buckets(), self.hist[name].sum)
+                yield family
+            first = HistogramMetricFamily("omnistage_stage_time_to_first_output_seconds", "A stage's time from "
+                                          "receiving a request to its first output (queueing plus prefill)",
+                                          labels=["stage"])
+            for stage, hist in self.stage_first.items():
+                first.add_metric([stage], hist.buckets(), hist.sum)
+            yield first
+            for kind, doc in (("prompt", "Prompt tokens of finished requests"),
+                              ("cached_prompt", "Prompt tokens served from the prefix cache"),
+                              ("generation", "Text tokens generated")):
+                counter = CounterMetricFamily(f"omnistage_{kind}_tokens", doc)
+                counter.add_metric([], self.tokens[kind])
+                yield counter
+            outcome = CounterMetricFamily("omnistage_requests_by_status", "Finished requests by outcome: ok, an "
+                                          "error's HTTP status, or abort", labels=["status"])
+            for status, count in sorted(self.status.items()):
+                outcome.add_metric([status], count)
+            yield outcome
 
 
 class RuntimeCollector(Collector):
@@ -45,6 +138,8 @@ class RuntimeCollector(Collector):
                     gauge.add_metric([stage, r], s[key])
             yield gauge
         restarts = CounterMetricFamily("omnistage_stage_restarts", "Restarts of the replica", labels=_LABELS)
+        preemptions = CounterMetricFamily("omnistage_stage_preemptions", "Requests preempted (KV cache full) and "
+                                          "recomputed later (AR stages)", labels=_LABELS)
         steps = SummaryMetricFamily("omnistage_stage_step_seconds", "Engine step time", labels=_LABELS)
         batch = SummaryMetricFamily("omnistage_stage_batch_size", "Requests with output per engine step",
                                     labels=_LABELS)
@@ -57,6 +152,8 @@ class RuntimeCollector(Collector):
                                    labels=[*_LABELS, "part"])
         for stage, r, s in replicas:
             restarts.add_metric([stage, r], s.get("restarts", 0))
+            if "num_preemptions" in s:
+                preemptions.add_metric([stage, r], s["num_preemptions"])
             for part in ("command", "report"):
                 if f"{part}_seconds" in s:
                     loop.add_metric([stage, r, part], s[f"{part}_seconds"])
@@ -66,7 +163,7 @@ class RuntimeCollector(Collector):
                 if f"{d}_transfers" in s:  # out-of-process replicas only
                     xfer_bytes.add_metric([stage, r, d], s[f"{d}_bytes"])
                     xfer_time.add_metric([stage, r, d], s[f"{d}_transfers"], s[f"{d}_seconds"] + s.get(peer, 0.0))
-        yield from (restarts, steps, batch, loop, xfer_bytes, xfer_time)
+        yield from (restarts, preemptions, steps, batch, loop, xfer_bytes, xfer_time)
         in_flight = GaugeMetricFamily("omnistage_requests_in_flight", "Requests admitted and not finished")
         in_flight.add_metric([], len(self.orchestrator.requests))
         yield in_flight
@@ -74,6 +171,9 @@ class RuntimeCollector(Collector):
         for outcome in ("ok", "error", "abort"):
             finished.add_metric([outcome], self.orchestrator.finished[outcome])
         yield finished
+        stats = getattr(self.orchestrator, "request_stats", None)
+        if stats is not None:
+            yield from stats.collect()
 
 
 def make_registry(orchestrator: Any | None) -> CollectorRegistry:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from omnistage.config.deploy import did_you_mean
 from omnistage.errors import OmniError, RequestError, StageError, stage_failure
 from omnistage.families.base import Pipeline
+from omnistage.runtime.metrics import RequestStats
 from omnistage.runtime.worker import AddChunk, AddRequest, ExitCallback, OutputCallback, StageWorker
 from omnistage.sampling_params import InvalidParams, SamplingParams
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageMetrics, StageOutput
@@ -53,6 +54,7 @@ class Orchestrator:
         self.edges_from = {s.name: [e for e in pipeline.edges if e.src == s.name] for s in pipeline.stages}
         self.text_stages = {s.name for s in pipeline.stages if "text" in s.outputs}
         self.outputs_of = {s.name: set(s.outputs) for s in pipeline.stages}
+        self.request_stats = RequestStats(self.text_stages, {s.name for s in pipeline.stages if "audio" in s.outputs})
         self.make_worker = make_worker
         self.workers: dict[str, list[StageWorker]] = {}
         self.load: dict[str, list[int]] = {}
@@ -133,6 +135,7 @@ class Orchestrator:
             state = self.requests.pop(request_id, None)
             if state is not None:
                 self.finished["abort"] += 1
+                self.request_stats.observe(state.request.arrival_time, state.metrics, "abort", time.monotonic())
                 self._release(state, abort=True)
 
     def health(self) -> tuple[bool, str]:
@@ -318,6 +321,8 @@ class Orchestrator:
     def _finish(self, state: _RequestState, last: OmniOutput, abort: bool) -> None:
         del self.requests[state.request.request_id]
         self.finished["error" if last.error else "ok"] += 1
+        status = str(last.error_status) if last.error else "ok"
+        self.request_stats.observe(state.request.arrival_time, state.metrics, status, time.monotonic())
         self._release(state, abort)
         last.finished = True
         last.metrics = state.metrics
