@@ -35,6 +35,9 @@ CACHE_DIR = EnvVar("OMNISTAGE_CACHE", str, None, "where tiny test/demo checkpoin
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", _flag, False,
                           "Triton's own: kernels run in its interpreter (CPU tests); device-only launch features off")
 
+LOG_STATS_INTERVAL_S = EnvVar("OMNISTAGE_LOG_STATS_INTERVAL_S", float, 10.0,
+                              "seconds between the one-line load summaries in the log while busy; 0: none")
 RAY_ADDRESS = EnvVar("RAY_ADDRESS", str, None, "Ray's own: the cluster the ray backend joins (unset: starts one)")
 
-REGISTRY: tuple[EnvVar, ...] = (FAMILY_PLUGINS, API_KEY, CACHE_DIR, TRITON_INTERPRET, RAY_ADDRESS)
+REGISTRY: tuple[EnvVar, ...] = (FAMILY_PLUGINS, API_KEY, CACHE_DIR, TRITON_INTERPRET, LOG_STATS_INTERVAL_S,
+                                RAY_ADDRESS)

@@ -27,6 +27,10 @@ class Engine(Protocol):
 
     def shutdown(self) -> None: ...
 
+    def describe(self) -> str:
+        """One line for the start-up log: where it runs and what it holds (precision, cache, graphs)."""
+        ...
+
     @property
     def device(self) -> torch.device | None:
         """Where the stage computes (None: nowhere in particular), so a host can give it its own CUDA stream."""

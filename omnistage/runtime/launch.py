@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ from omnistage.runtime import control
 from omnistage.runtime.connector import curve_key
 from omnistage.runtime.orchestrator import Orchestrator
 from omnistage.runtime.process import ProcessStageWorker, RayActor, Subprocess, new_link
-from omnistage.runtime.worker import ExitCallback, InlineStageWorker, OutputCallback
+from omnistage.runtime.worker import ExitCallback, InlineStageWorker, OutputCallback, log_ready
 
 DEFAULT_CONNECTOR = {"process": "shm", "ray": "tcp"}
 
@@ -32,15 +33,27 @@ DEFAULT_CONNECTOR = {"process": "shm", "ray": "tcp"}
 # The loader's former name here, still imported by tests and benchmarks outside the runtime.
 
 
-def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
+def start_orchestrator(pipeline: Pipeline, on_progress: Callable[[str], None] | None = None) -> Orchestrator:
+    """`on_progress` hears "loading stage 'talker' (2 of 3)" as each stage replica starts loading (inline: one
+    after the other; process and ray: all at once)."""
     backend = pipeline.deploy.worker_backend
     links = connector_choice(pipeline)
+    check_devices(pipeline)
+    names = [s.name for s in pipeline.stages]
+
+    def report(stage: str) -> None:
+        if on_progress is not None:
+            on_progress(f"loading stage {stage!r} ({names.index(stage) + 1} of {len(names)})")
+
     if backend == "inline":
         def make_worker(stage: str, replica: int, on_outputs: OutputCallback, on_exit: ExitCallback):
+            report(stage)
             # built with its device current: Triton kernels and graph captures at start-up run on the current
             # device, which for this loading thread is otherwise cuda:0 (a stage on cuda:1 would fail there)
+            started = time.monotonic()
             with on_device(resolve_device(pipeline.stage_config(stage).devices)):
                 engine = pipeline.build_engine(stage)
+            log_ready(stage, engine, started)
             return InlineStageWorker(stage, replica, engine, on_outputs, on_exit,
                                      pipeline.stage_config(stage).stream_priority)
 
@@ -64,6 +77,7 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
         bind_host = None
 
     def make_worker(stage: str, replica: int, on_outputs: OutputCallback, on_exit: ExitCallback):
+        report(stage)
         cfg = pipeline.stage_config(stage)
         inbox, outbox = (links[stage][d] for d in ("in", "out"))
         spec = control.WorkerSpec(
@@ -93,6 +107,23 @@ def start_orchestrator(pipeline: Pipeline) -> Orchestrator:
         return ProcessStageWorker(stage, replica, spec, launch, on_outputs, on_exit, bind_host)
 
     return Orchestrator(pipeline, make_worker, on_shutdown=release)
+
+
+def check_devices(pipeline: Pipeline) -> None:
+    """A stage placed on GPUs this machine lacks fails here, naming it, not deep inside model loading. (On Ray,
+    device ids describe a layout, not this machine: ray_gpu_shares.)"""
+    import torch
+
+    if pipeline.deploy.worker_backend == "ray":
+        return
+    have = torch.cuda.device_count()
+    for spec in pipeline.stages:
+        devices = pipeline.stage_config(spec.name).devices
+        ids = [int(d) for d in _device_ids(devices) if d.isdigit()]
+        if ids and max(ids) >= have:
+            machine = f"{have} CUDA GPU{'s' if have != 1 else ''}" if have else "no CUDA GPU"
+            raise ConfigError(f"deploy config: stage {spec.name!r} is on devices {devices!r} but this machine has "
+                              f"{machine}; use a deploy config for this machine (or --set 'stages.*.devices=cpu')")
 
 
 GpuShares = dict[tuple[str, int], tuple[int, float]]

@@ -13,7 +13,9 @@ each stage's time to its first output (queueing plus prefill), recorded as reque
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,6 +176,44 @@ class RuntimeCollector(Collector):
         stats = getattr(self.orchestrator, "request_stats", None)
         if stats is not None:
             yield from stats.collect()
+
+
+class StatsLogger:
+    """A line in the log every `interval_s` while the server is busy: per stage, requests running / waiting and KV
+    cache use, generated tokens a second, and requests in flight. Quiet while idle."""
+
+    def __init__(self, orchestrator: Any, interval_s: float) -> None:
+        self.orchestrator, self.interval_s = orchestrator, interval_s
+        self.stop = threading.Event()
+        self.last_tokens: dict[str, int] = {}
+        self.last_time = time.monotonic()
+        self.thread = threading.Thread(target=self._run, name="omnistage-stats", daemon=True)
+        if interval_s > 0:
+            self.thread.start()
+
+    def line(self) -> str | None:
+        stats, parts, new_tokens = self.orchestrator.stats(), [], 0
+        now, busy = time.monotonic(), bool(self.orchestrator.requests)
+        for stage, s in stats.items():
+            part = f"{stage} {s.get('num_running', 0)} running {s.get('num_waiting', 0)} waiting"
+            if s.get("kv_blocks_total"):
+                part += f" KV {100 * s['kv_blocks_used'] / s['kv_blocks_total']:.0f}%"
+            parts.append(part)
+            tokens = s.get("num_output_tokens", 0)
+            new_tokens += tokens - self.last_tokens.get(stage, 0)
+            self.last_tokens[stage] = tokens
+        rate, self.last_time = new_tokens / max(now - self.last_time, 1e-6), now
+        if not (busy or new_tokens):
+            return None
+        return f"{len(self.orchestrator.requests)} in flight, {rate:.0f} tokens/s | " + " | ".join(parts)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            try:
+                if (line := self.line()) is not None:
+                    logging.getLogger("omnistage.stats").info(line)
+            except Exception:  # a stage being restarted, say: the next interval tries again
+                logging.getLogger("omnistage.stats").debug("stats line failed", exc_info=True)
 
 
 def make_registry(orchestrator: Any | None) -> CollectorRegistry:

@@ -17,10 +17,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from omnistage import envs
 from omnistage.config.deploy import did_you_mean
 from omnistage.errors import OmniError, RequestError, StageError, stage_failure
 from omnistage.families.base import Pipeline
-from omnistage.runtime.metrics import RequestStats
+from omnistage.runtime.metrics import RequestStats, StatsLogger
 from omnistage.runtime.worker import AddChunk, AddRequest, ExitCallback, OutputCallback, StageWorker
 from omnistage.sampling_params import InvalidParams, SamplingParams
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageMetrics, StageOutput
@@ -77,6 +78,7 @@ class Orchestrator:
             # collector's scans, a full collection while serving pauses every stage's thread for less.
             gc.collect()
             gc.freeze()
+            self.stats_logger = StatsLogger(self, envs.LOG_STATS_INTERVAL_S.get())
         except BaseException:
             self.shutdown()
             raise
@@ -182,6 +184,8 @@ class Orchestrator:
 
     def shutdown(self) -> None:
         self.closed = True
+        if getattr(self, "stats_logger", None) is not None:
+            self.stats_logger.stop.set()
         workers = [w for ws in self.workers.values() for w in ws]
         threads = [threading.Thread(target=w.shutdown) for w in workers]  # stop them all at once
         for t in threads:

@@ -36,6 +36,12 @@ Report = Callable[[list[StageOutput], dict[str, Any]], None]  # (outputs, stats)
 # ---- engine loop commands: what a worker's host queues for its EngineLoop ---------------------------
 
 
+def log_ready(stage: str, engine: Any, started: float) -> None:
+    """The start-up summary line of one stage replica (inline and out-of-process workers alike)."""
+    describe = getattr(engine, "describe", None)
+    logger.info("stage %r ready in %.1f s: %s", stage, time.monotonic() - started, describe() if describe else "")
+
+
 @dataclass
 class AddRequest:
     """A new request for the engine."""

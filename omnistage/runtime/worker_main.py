@@ -52,9 +52,11 @@ def serve(spec: control.WorkerSpec) -> int:
     try:
         try:
             from omnistage.families.registry import load_pipeline
-            from omnistage.runtime.worker import EngineLoop
+            from omnistage.runtime.worker import EngineLoop, log_ready
 
+            started = time.monotonic()
             engine = load_pipeline(spec.model, spec.deploy).build_engine(spec.stage, spec.devices)
+            log_ready(spec.stage, engine, started)
             links = [open_link(spec.inbox), open_link(spec.outbox)]
         except Exception as exc:
             emit(control.Failed(f"{type(exc).__name__}: {exc}"))

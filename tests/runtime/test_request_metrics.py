@@ -47,3 +47,17 @@ def test_request_metrics(server: BackgroundServer) -> None:
     assert m[("omnistage_stage_time_to_first_output_seconds_count", (("stage", "lm"),))] == 4
     assert m[("omnistage_requests_by_status_total", (("status", "ok"),))] == 4
     assert ("omnistage_stage_preemptions_total", (("replica", "0"), ("stage", "lm"))) in m
+
+
+def test_stats_line_while_busy_quiet_when_idle(tiny_qwen2: str) -> None:
+    from omnistage import Omni, SamplingParams
+    from omnistage.runtime.metrics import StatsLogger
+
+    with Omni(tiny_qwen2, {"stages": {"lm": {"dtype": "float32"}}}) as omni:
+        stats = StatsLogger(omni.orchestrator, interval_s=0)  # not started: lines on demand
+        assert stats.line() is None  # idle
+        omni.generate(["The river"], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
+        line = stats.line()
+        assert line is not None and "0 in flight" in line and "lm 0 running 0 waiting KV 0%" in line
+        assert stats.last_tokens == {"lm": 7}
+        assert stats.line() is None  # nothing new since

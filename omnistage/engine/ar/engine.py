@@ -135,6 +135,7 @@ class AREngine:
         self.in_flight: DecodeLaunch | None = None  # a decode step whose tokens are unread
         self.num_overlapped_steps = 0
         self.num_burst_steps = 0  # decode steps run inside bursts
+        self.num_output_tokens = 0  # tokens generated, all requests
         self.history: TokenHistory | None = None  # decoding sequences' tokens on the device, for penalties
         self._free_history_slots = list(range(config.max_num_seqs))  # row max_num_seqs: padded burst rows'
         self._columns: tuple[tuple, SamplingColumns, torch.Tensor] | None = None  # the last decode batch's
@@ -276,6 +277,14 @@ class AREngine:
     def has_work(self) -> bool:
         return self.in_flight is not None or self.scheduler.has_work()
 
+    def describe(self) -> str:
+        spec, blocks, size = self.runner.model.kv_spec, self.block_manager.num_blocks, self.config.block_size
+        gib = spec.bytes_per_block(size) * blocks / 2**30
+        graphs = len(self.runner.graphs) + len(self.runner.burst_graphs) + len(self.runner.prompt_graphs)
+        return (f"{self.device}, {str(spec.dtype).removeprefix('torch.')}, KV cache {blocks} blocks of {size} tokens "
+                f"({gib:.2f} GiB), max_model_len {self.config.max_model_len}, max_num_seqs {self.config.max_num_seqs}, "
+                + (f"{graphs} CUDA graphs" if graphs else "eager"))
+
     def stats(self) -> dict[str, int]:
         return {
             "num_running": len(self.scheduler.running),
@@ -285,6 +294,7 @@ class AREngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_overlapped_steps": self.num_overlapped_steps,
             "num_burst_steps": self.num_burst_steps,
+            "num_output_tokens": self.num_output_tokens,
             "num_prompt_graph_steps": self.runner.num_prompt_replays,
         }
 
@@ -654,6 +664,7 @@ class AREngine:
     def _append_token(self, seq: Sequence, out: StageOutput, token_id: int, logprob) -> None:
         params = seq.params
         seq.token_ids.append(token_id)
+        self.num_output_tokens += 1
         out.token_ids.append(token_id)
         if logprob is not None:
             out.logprobs = [logprob]

@@ -94,6 +94,10 @@ class GenerationEngine:
     def device(self) -> torch.device | None:
         return getattr(self.model, "device", None)
 
+    def describe(self) -> str:
+        detail = getattr(self.model, "describe", None)
+        return f"{self.device}, batches of up to {self.max_num_seqs}" + (f", {detail()}" if detail else "")
+
     def add_request(self, inp: StageInput) -> None:
         self.requests[inp.request_id] = inp
 
