@@ -132,10 +132,50 @@ def _default_backend() -> str:
 
 
 class LimitsConfig(_Strict):
-    """Request size limits the server enforces before any work is done."""
+    """Request size limits the server enforces before any work is done; media limits are checked from each item's
+    header before it is decoded (docs/media.md)."""
 
     max_request_bytes: int = Field(32 * 2**20, ge=1024)
-    max_media_bytes: int = Field(20 * 2**20, ge=1024)
+    max_queued_requests: int = Field(256, ge=1, description="generations (prompts x n) the server holds admitted "
+                                     "at once; beyond it a request gets 429 (`serve --max-queued-requests`)")
+    max_media_bytes: int = Field(20 * 2**20, ge=1024, description="encoded size of one media item")
+    max_media_parts: int = Field(16, ge=0, description="media parts (image, audio, video) in one request")
+    max_media_total_bytes: int = Field(64 * 2**20, ge=1024, description="encoded size of all media in one request")
+    max_image_pixels: int = Field(16 * 2**20, ge=1, description="pixels of one image or video frame")
+    max_video_pixels: int = Field(128 * 2**20, ge=1, description="pixels of the frames sampled from one video, "
+                                  "summed")
+    max_video_seconds: float = Field(600.0, gt=0, description="length of one video")
+    max_audio_seconds: float = Field(600.0, gt=0, description="length of one audio item (or a video's track)")
+
+
+class MediaConfig(_Strict):
+    """Where media may come from. Remote fetches never reach loopback, private, link-local or metadata addresses."""
+
+    remote_fetch: bool = Field(True, description="fetch http(s) image_url/audio_url/video_url parts")
+    allowed_domains: list[str] = Field(default_factory=list, description="hosts media may be fetched from (each "
+                                       "with its subdomains); empty: any public host")
+    allowed_local_path: str | None = Field(None, description="a directory whose files file:// URLs may name; "
+                                           "None: no local files")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="total time one fetch may take, redirects included")
+    max_redirects: int = Field(3, ge=0, le=10)
+
+    @field_validator("allowed_domains")
+    @classmethod
+    def _plain_hosts(cls, value: list[str]) -> list[str]:
+        hosts = []
+        for entry in value:
+            host = entry.strip().lower().rstrip(".").removeprefix("*.")
+            if not host or any(c in host for c in "/:@?#* "):
+                raise ValueError(f"{entry!r} is not a host name (e.g. images.example.com)")
+            hosts.append(host)
+        return hosts
+
+    @field_validator("allowed_local_path")
+    @classmethod
+    def _existing_dir(cls, value: str | None) -> str | None:
+        if value is not None and not (Path(value).is_absolute() and Path(value).is_dir()):
+            raise ValueError(f"{value!r} is not an absolute path to a directory")
+        return value
 
 
 class DeployConfig(_Strict):
@@ -150,6 +190,7 @@ class DeployConfig(_Strict):
     # Per-edge connectors, keyed "src->dst".
     connectors: dict[str, ConnectorConfig] = Field(default_factory=dict)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    media: MediaConfig = Field(default_factory=MediaConfig)
 
     def stage(self, name: str) -> StageConfig:
         """Settings for one stage: "*" defaults overlaid with the stage's own explicit fields (its `options`,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from omnistage.errors import RequestError
-from omnistage.media.source import bad_media
+from omnistage.media.source import bad_media, over_limit
 
 ENCODE_FORMATS = ("wav", "flac", "mp3", "opus", "pcm16")
 PCM16_INPUT_RATE = 24000  # raw "pcm16" input carries no header: 16-bit little-endian mono at this rate (as OpenAI)
@@ -40,27 +40,59 @@ def _downmix(samples: np.ndarray) -> np.ndarray:
     return samples.mean(axis=0) if samples.shape[0] > 1 else samples[0]
 
 
-def _decode_soundfile(data: bytes) -> tuple[np.ndarray, int]:
+def too_long(part: str, seconds: float, limit: float, what: str = "audio") -> RequestError:
+    return over_limit(part, f"the {what} is {seconds:.1f} s long, more than the limit of {limit:g} s",
+                      f"max_{what}_seconds")
+
+
+def _decode_soundfile(data: bytes, part: str, max_seconds: float | None) -> tuple[np.ndarray, int]:
     import soundfile as sf
 
     with sf.SoundFile(io.BytesIO(data)) as f:
         rate = f.samplerate
-        samples = f.read(dtype="float32", always_2d=True).T
+        frames = -1
+        if max_seconds is not None and rate > 0:
+            if f.frames / rate > max_seconds:  # the header's length: refused before decoding
+                raise too_long(part, f.frames / rate, max_seconds)
+            frames = int(max_seconds * rate) + 1  # and never more decoded than the limit, whatever the header said
+        samples = f.read(frames, dtype="float32", always_2d=True).T
+    if frames > 0 and samples.shape[-1] >= frames:
+        raise too_long(part, samples.shape[-1] / rate, max_seconds)
     return _downmix(samples), rate
 
 
-def decode_audio_track(container: Any) -> tuple[np.ndarray, int] | None:
-    """The first audio stream of an open PyAV container as (mono float32, source rate); None if it has none."""
+def stream_seconds(stream: Any, container: Any) -> float | None:
+    """A PyAV stream's length from the container's headers, when they tell."""
+    import av
+
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / av.time_base
+    return None
+
+
+def decode_audio_track(container: Any, part: str = "audio", max_seconds: float | None = None,
+                       what: str = "audio") -> tuple[np.ndarray, int] | None:
+    """The first audio stream of an open PyAV container as (mono float32, source rate); None if it has none.
+    Longer than `max_seconds` (by the headers, else while decoding) is a 413."""
     import av
 
     if not container.streams.audio:
         return None
     stream = container.streams.audio[0]
+    seconds = stream_seconds(stream, container)
+    if max_seconds is not None and seconds is not None and seconds > max_seconds:
+        raise too_long(part, seconds, max_seconds, what)
     resampler = av.AudioResampler(format="fltp")  # planar float, source layout and rate
     chunks: list[np.ndarray] = []
     rate = stream.codec_context.sample_rate or 0
+    decoded = 0
     for frame in container.decode(stream):
         rate = frame.sample_rate or rate
+        decoded += frame.samples
+        if max_seconds is not None and rate and decoded / rate > max_seconds:
+            raise too_long(part, decoded / rate, max_seconds, what)
         chunks.extend(out.to_ndarray() for out in resampler.resample(frame))
     chunks.extend(out.to_ndarray() for out in resampler.resample(None))
     if not chunks:
@@ -68,11 +100,11 @@ def decode_audio_track(container: Any) -> tuple[np.ndarray, int] | None:
     return _downmix(np.concatenate(chunks, axis=1).astype(np.float32, copy=False)), int(rate)
 
 
-def _decode_pyav(data: bytes, part: str) -> tuple[np.ndarray, int]:
+def _decode_pyav(data: bytes, part: str, max_seconds: float | None) -> tuple[np.ndarray, int]:
     import av
 
     with av.open(io.BytesIO(data), mode="r") as container:
-        track = decode_audio_track(container)
+        track = decode_audio_track(container, part, max_seconds)
     if track is None:
         raise bad_media(part, "could not decode the audio: the file has no audio stream")
     return track
@@ -92,13 +124,17 @@ def decode_audio(
     if fmt == "pcm16":
         if len(data) % 2:
             raise bad_media(part, "could not decode the audio: pcm16 data has an odd number of bytes")
+        if max_seconds is not None and len(data) / 2 / PCM16_INPUT_RATE > max_seconds:
+            raise too_long(part, len(data) / 2 / PCM16_INPUT_RATE, max_seconds)
         samples, rate = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0, PCM16_INPUT_RATE
     else:
         try:
-            samples, rate = _decode_soundfile(data)
+            samples, rate = _decode_soundfile(data, part, max_seconds)
+        except RequestError:
+            raise
         except Exception as sf_error:  # libsndfile cannot read it: let FFmpeg try
             try:
-                samples, rate = _decode_pyav(data, part)
+                samples, rate = _decode_pyav(data, part, max_seconds)
             except RequestError:
                 raise
             except Exception:
@@ -107,10 +143,7 @@ def decode_audio(
     if samples.size == 0 or rate <= 0:
         raise bad_media(part, "could not decode the audio: it has no samples")
     if max_seconds is not None and samples.shape[-1] / rate > max_seconds:
-        raise RequestError(
-            f"{part}: audio is longer than the limit of {max_seconds:g} s ({samples.shape[-1] / rate:.1f} s)",
-            part, status=413,
-        )
+        raise too_long(part, samples.shape[-1] / rate, max_seconds)
     if not np.isfinite(samples).all():
         raise bad_media(part, "could not decode the audio: it contains NaN or infinite samples")
     return resample(samples, rate, sample_rate)

@@ -7,9 +7,9 @@ import warnings
 from typing import Any
 
 from omnistage.errors import RequestError
-from omnistage.media.source import bad_media, too_large
+from omnistage.media.source import bad_media, over_limit
 
-DEFAULT_MAX_PIXELS = 64 * 2**20  # 64 megapixels
+DEFAULT_MAX_PIXELS = 16 * 2**20  # LimitsConfig.max_image_pixels
 
 
 def decode_image(data: bytes, part: str = "image", max_pixels: int = DEFAULT_MAX_PIXELS) -> Any:
@@ -20,15 +20,16 @@ def decode_image(data: bytes, part: str = "image", max_pixels: int = DEFAULT_MAX
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data))  # reads the header only
             width, height = image.size
             if width * height > max_pixels:
-                raise too_large(part, max_pixels) from None
+                raise _too_many_pixels(part, width, height, max_pixels)
             image.load()
     except RequestError:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise too_large(part, max_pixels) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # Pillow's own check, in open()
+        what = f"the image has more pixels than the limit of {max_pixels}"
+        raise over_limit(part, what, "max_image_pixels") from None
     except UnidentifiedImageError:
         raise bad_media(part, "could not decode the image: not a known image format") from None
     except (OSError, ValueError, SyntaxError) as exc:
@@ -37,6 +38,11 @@ def decode_image(data: bytes, part: str = "image", max_pixels: int = DEFAULT_MAX
         raise bad_media(part, "could not decode the image: it has no pixels")
     image = ImageOps.exif_transpose(image)
     return to_rgb(image)
+
+
+def _too_many_pixels(part: str, width: int, height: int, limit: int) -> RequestError:
+    what = f"the image has {width}x{height} pixels, more than the limit of {limit}"
+    return over_limit(part, what, "max_image_pixels")
 
 
 def to_rgb(image: Any) -> Any:

@@ -1,4 +1,5 @@
-"""Getting the bytes of one media item: an http(s) URL, a data URL, or raw base64, never more than a limit.
+"""The bytes of inline media (a data URL or raw base64), never more than a limit, and the request's byte budget.
+URLs are fetched by `remote`.
 
 Every failure is a RequestError naming the message part (`part`, e.g. "messages[0].content[1]"): 413 when the
 media is larger than the caller's limit, 400 when it cannot be fetched or decoded.
@@ -12,11 +13,8 @@ import re
 import urllib.parse
 from dataclasses import dataclass
 
-import httpx
-
 from omnistage.errors import RequestError
 
-DEFAULT_TIMEOUT_S = 10.0
 _B64_CHARS = re.compile(rb"[^A-Za-z0-9+/=_-]")
 
 
@@ -28,7 +26,13 @@ class MediaBytes:
 
 def too_large(part: str, limit: int, size: int | None = None) -> RequestError:
     got = f" ({size} bytes)" if size is not None else ""
-    return RequestError(f"{part}: media is larger than the limit of {limit} bytes{got}", part, status=413)
+    return RequestError(f"{part}: media is larger than the limit of {limit} bytes{got} (limits.max_media_bytes)",
+                        part, status=413)
+
+
+def over_limit(part: str, what: str, field: str) -> RequestError:
+    """A 413 naming the part and the deploy field of the limit it passed (`limits.<field>`)."""
+    return RequestError(f"{part}: {what} (limits.{field})", part, status=413)
 
 
 def bad_media(part: str, what: str) -> RequestError:
@@ -68,107 +72,45 @@ def _data_url(url: str, part: str, max_bytes: int) -> MediaBytes:
     return MediaBytes(data, mime)
 
 
-def _check_url(url: str, part: str) -> None:
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise bad_media(part, f"URL {url[:100]!r} is not an http(s) URL")
+class MediaBudget:
+    """The encoded media bytes of one request, refused (413) once they pass `max_total_bytes`."""
+
+    def __init__(self, max_total_bytes: int):
+        self.max_total_bytes, self.spent = max_total_bytes, 0
+
+    def spend(self, size: int, part: str) -> None:
+        self.spent += size
+        if self.spent > self.max_total_bytes:
+            raise RequestError(f"{part}: the request's media are larger than the limit of {self.max_total_bytes} "
+                               "bytes in all (limits.max_media_total_bytes)", part, status=413)
 
 
-def _fetch_error(part: str, url: str, exc: Exception) -> RequestError:
-    if isinstance(exc, httpx.TimeoutException):
-        return bad_media(part, f"fetching {url[:200]} timed out")
-    return bad_media(part, f"could not fetch {url[:200]}: {exc}")
+class Body:
+    """A response body collected chunk by chunk, refused as soon as it passes `max_bytes` (or the budget)."""
 
-
-def _status_error(part: str, url: str, response: httpx.Response) -> RequestError:
-    return bad_media(part, f"could not fetch {url[:200]}: HTTP {response.status_code}")
-
-
-def _declared_size(response: httpx.Response) -> int | None:
-    try:
-        return int(response.headers["content-length"])
-    except (KeyError, ValueError):
-        return None
-
-
-def _check_response(response: httpx.Response, part: str, url: str, max_bytes: int) -> None:
-    """Refuse an error status or a body announced as too large, before reading it."""
-    if response.status_code >= 400:
-        raise _status_error(part, url, response)
-    declared = _declared_size(response)
-    if declared is not None and declared > max_bytes:
-        raise too_large(part, max_bytes, declared)
-
-
-class _Body:
-    """A response body collected chunk by chunk, refused as soon as it passes `max_bytes`."""
-
-    def __init__(self, part: str, max_bytes: int):
-        self.part, self.max_bytes, self.chunks, self.size = part, max_bytes, [], 0
+    def __init__(self, part: str, max_bytes: int, budget: MediaBudget | None = None):
+        self.part, self.max_bytes, self.budget, self.chunks, self.size = part, max_bytes, budget, [], 0
 
     def add(self, chunk: bytes) -> None:
         self.size += len(chunk)
         if self.size > self.max_bytes:
             raise too_large(self.part, self.max_bytes)
+        if self.budget is not None:
+            self.budget.spend(len(chunk), self.part)
         self.chunks.append(chunk)
 
-    def media(self, response: httpx.Response) -> MediaBytes:
-        return MediaBytes(b"".join(self.chunks), _mime(response))
+    def media(self, content_type: str | None) -> MediaBytes:
+        mime = (content_type or "").split(";")[0].strip().lower() or None
+        return MediaBytes(b"".join(self.chunks), mime)
 
 
-def _mime(response: httpx.Response) -> str | None:
-    value = response.headers.get("content-type")
-    if not value:
-        return None
-    return value.split(";")[0].strip().lower() or None
+def is_url(source: str) -> bool:
+    """A URL to fetch or read (http(s), file, or any other scheme to refuse), not inline data."""
+    return not source.startswith("data:") and (source.startswith(("http://", "https://")) or "://" in source[:16])
 
 
-def fetch_url(url: str, part: str, max_bytes: int, timeout: float = DEFAULT_TIMEOUT_S) -> MediaBytes:
-    """GET `url`, streaming, and stop as soon as more than `max_bytes` arrive (or are announced)."""
-    _check_url(url, part)
-    try:
-        with httpx.stream("GET", url, timeout=timeout, follow_redirects=True) as response:
-            _check_response(response, part, url, max_bytes)
-            body = _Body(part, max_bytes)
-            for chunk in response.iter_bytes():
-                body.add(chunk)
-            return body.media(response)
-    except httpx.HTTPError as exc:
-        raise _fetch_error(part, url, exc) from None
-
-
-async def afetch_url(url: str, part: str, max_bytes: int, timeout: float = DEFAULT_TIMEOUT_S) -> MediaBytes:
-    """`fetch_url` for an event loop."""
-    _check_url(url, part)
-    try:
-        async with httpx.AsyncClient(timeout=timeout, follow_redirects=True) as client:
-            async with client.stream("GET", url) as response:
-                _check_response(response, part, url, max_bytes)
-                body = _Body(part, max_bytes)
-                async for chunk in response.aiter_bytes():
-                    body.add(chunk)
-                return body.media(response)
-    except httpx.HTTPError as exc:
-        raise _fetch_error(part, url, exc) from None
-
-
-def _is_url(source: str) -> bool:
-    return source.startswith(("http://", "https://")) or "://" in source[:16]
-
-
-def load_source(source: str, part: str, max_bytes: int, timeout: float = DEFAULT_TIMEOUT_S) -> MediaBytes:
-    """Bytes of `source`: an http(s) URL (fetched), a data URL, or raw base64."""
-    if not isinstance(source, str) or not source:
-        raise bad_media(part, "media source must be a non-empty string (URL, data URL or base64)")
+def inline_source(source: str, part: str, max_bytes: int) -> MediaBytes:
+    """Bytes of inline media: a data URL or raw base64."""
     if source.startswith("data:"):
         return _data_url(source, part, max_bytes)
-    if _is_url(source):
-        return fetch_url(source, part, max_bytes, timeout)
     return MediaBytes(_b64decode(source, part, max_bytes))
-
-
-async def aload_source(source: str, part: str, max_bytes: int, timeout: float = DEFAULT_TIMEOUT_S) -> MediaBytes:
-    """`load_source` for an event loop (URLs are fetched without blocking it)."""
-    if isinstance(source, str) and _is_url(source) and not source.startswith("data:"):
-        return await afetch_url(source, part, max_bytes, timeout)
-    return load_source(source, part, max_bytes, timeout)

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnistage.errors import RequestError
-from omnistage.media.audio import decode_audio_track, resample
+from omnistage.media.audio import decode_audio_track, resample, stream_seconds, too_long
 from omnistage.media.image import DEFAULT_MAX_PIXELS
-from omnistage.media.source import bad_media, too_large
+from omnistage.media.source import bad_media, over_limit
+
+DEFAULT_MAX_VIDEO_PIXELS = 128 * 2**20  # LimitsConfig.max_video_pixels
 
 
 @dataclass
@@ -29,6 +31,16 @@ def _open(data: bytes, part: str):
         return av.open(io.BytesIO(data), mode="r")
     except (av.error.FFmpegError, ValueError, OSError) as exc:
         raise bad_media(part, f"could not decode the video: {exc}") from None
+
+
+def _big_frame(part: str, width: int, height: int, limit: int) -> RequestError:
+    return over_limit(part, f"the video's frames have {width}x{height} pixels, more than the limit of {limit}",
+                      "max_image_pixels")
+
+
+def _many_pixels(part: str, frames: int, width: int, height: int, limit: int) -> RequestError:
+    return over_limit(part, f"the video's {frames} sampled frames of {width}x{height} are more than the limit of "
+                      f"{limit} pixels", "max_video_pixels")
 
 
 def _frame_indices(
@@ -56,11 +68,13 @@ def decode_video(
     audio_rate: int = 16000,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     max_seconds: float | None = None,
+    max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS,
 ) -> Video:
     """Sample frames evenly at about `fps` per second (Qwen2.5-Omni's default is 2; the count is kept a multiple of
     `frame_multiple`, its temporal patch). With `with_audio`, also decode the audio track to mono float32 at
-    `audio_rate` (a video without one is a 400). Frames larger than `max_pixels` or a video longer than
-    `max_seconds` are a 413; undecodable data is a 400."""
+    `audio_rate` (a video without one is a 400). Frames larger than `max_pixels`, sampled frames of more than
+    `max_video_pixels` in all, or a video longer than `max_seconds` are a 413, told from the headers and the
+    demuxed packets before any frame is decoded; undecodable data is a 400."""
     import av
 
     try:
@@ -70,29 +84,30 @@ def decode_video(
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
             if width * height > max_pixels:
-                raise too_large(part, max_pixels)
+                raise _big_frame(part, width, height, max_pixels)
+            header_seconds = stream_seconds(stream, container)
+            if max_seconds is not None and header_seconds is not None and header_seconds > max_seconds:
+                raise too_long(part, header_seconds, max_seconds, "video")
             total = sum(1 for packet in container.demux(stream) if packet.size)
-            duration = 0.0
-            if stream.duration is not None and stream.time_base is not None:
-                duration = float(stream.duration * stream.time_base)
-            elif container.duration is not None:
-                duration = container.duration / av.time_base
-            elif stream.average_rate:
-                duration = total / float(stream.average_rate)
+            duration = header_seconds or (total / float(stream.average_rate) if stream.average_rate else 0.0)
         if total == 0:
             raise bad_media(part, "could not decode the video: it has no frames")
         if max_seconds is not None and duration > max_seconds:
-            raise RequestError(
-                f"{part}: video is longer than the limit of {max_seconds:g} s ({duration:.1f} s)", part, status=413
-            )
+            raise too_long(part, duration, max_seconds, "video")
         wanted = _frame_indices(total, duration, fps, min_frames, max_frames, frame_multiple)
+        if len(wanted) * width * height > max_video_pixels:
+            raise _many_pixels(part, len(wanted), width, height, max_video_pixels)
         keep = set(wanted)
         frames: list[np.ndarray] = []
+        kept_pixels = 0
         with _open(data, part) as container:  # pass 2: decode, keeping the wanted frames
             for index, frame in enumerate(container.decode(container.streams.video[0])):
                 if frame.width * frame.height > max_pixels:  # the header may not have told
-                    raise too_large(part, max_pixels)
+                    raise _big_frame(part, frame.width, frame.height, max_pixels)
                 if index in keep:
+                    kept_pixels += frame.width * frame.height
+                    if kept_pixels > max_video_pixels:
+                        raise _many_pixels(part, len(wanted), frame.width, frame.height, max_video_pixels)
                     frames.append(frame.to_ndarray(format="rgb24"))
                 if index >= wanted[-1]:
                     break
@@ -101,7 +116,7 @@ def decode_video(
         audio = None
         if with_audio:
             with _open(data, part) as container:
-                track = decode_audio_track(container)
+                track = decode_audio_track(container, part, max_seconds, "video")
             if track is None or track[0].size == 0 or track[1] <= 0:
                 raise bad_media(part, "the video has no audio track, but its audio was requested (use_audio_in_video)")
             audio = resample(track[0], track[1], audio_rate)

@@ -39,7 +39,8 @@ def test_bad_fields_name_the_field_and_the_closest_valid_one(raw: dict, message:
         ({"advanced": {"stream_priority": "urgent"}}, "stages.lm.advanced.stream_priority: Input should be 'high' or"),
         ({"advanced": {"decode_burst": 0}}, "stages.lm.advanced.decode_burst: Input should be greater than or equal"),
         ({"advanced": {"overlap_sampled": "yes"}}, "stages.lm.advanced.overlap_sampled: Input should be a valid bool"),
-        ({"options": {"window": 8}}, "stages.lm.options: this stage takes no options"),
+        ({"options": {"window": 8}}, "stages.lm.options.window: unknown field (valid: pooling, normalize)"),
+        ({"options": {"pooling": "max"}}, "stages.lm.options.pooling"),
     ],
 )
 def test_advanced_blocks_are_checked_when_the_pipeline_is_built(tiny_qwen2: str, stage: dict, message: str) -> None:

@@ -20,11 +20,16 @@ class _QuietServer(ThreadingHTTPServer):
 
 class MediaServer:
     """Serves registered bytes at /files/NAME (with Content-Length) and /stream/NAME (chunked, no length);
-    /slow sleeps before answering; anything else is a 404."""
+    /slow sleeps before answering; /redirect/NAME answers 302 to `redirects[NAME]`; /trickle/NAME announces 1 MB
+    and sends a byte every 0.1 s until the client goes (`trickling` counts those open); anything else is a 404.
+    `requests` lists (path, Host header) of every request."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.files: dict[str, bytes] = {}
-        files = self.files
+        self.redirects: dict[str, str] = {}
+        self.requests: list[tuple[str, str | None]] = []
+        self.trickling = 0
+        files, redirects, server = self.files, self.redirects, self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -34,8 +39,28 @@ class MediaServer:
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 kind, _, name = self.path.lstrip("/").partition("/")
+                server.requests.append((self.path, self.headers.get("Host")))
                 if kind == "slow":
                     time.sleep(2.0)
+                if kind == "redirect" and name in redirects:
+                    self.send_response(302)
+                    self.send_header("Location", redirects[name])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if kind == "trickle":
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(2**20))
+                    self.end_headers()
+                    server.trickling += 1
+                    try:
+                        for _ in range(2**20):
+                            self.wfile.write(b"x")
+                            self.wfile.flush()
+                            time.sleep(0.1)
+                    finally:
+                        server.trickling -= 1
+                    return
                 if kind not in ("files", "stream") or name not in files:
                     self.send_response(404)
                     self.send_header("Content-Length", "0")
@@ -56,13 +81,17 @@ class MediaServer:
                     self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
                 self.wfile.write(b"0\r\n\r\n")
 
-        self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
+        self.httpd = _QuietServer((host, 0), Handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{path}"
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    def url(self, path: str, host: str | None = None) -> str:
+        return f"http://{host or self.httpd.server_address[0]}:{self.port}/{path}"
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -72,5 +101,13 @@ class MediaServer:
 @pytest.fixture(scope="session")
 def media_server() -> Iterator[MediaServer]:
     server = MediaServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def other_server() -> Iterator[MediaServer]:
+    """A second server, on another loopback address: what a redirect must never reach."""
+    server = MediaServer("127.0.0.2")
     yield server
     server.close()

@@ -16,6 +16,7 @@ for _module in ("soundfile", "soxr", "av", "PIL"):
 from omnistage.errors import RequestError  # noqa: E402
 from omnistage.media import (  # noqa: E402
     MediaLimits,
+    RemotePolicy,
     aload_part,
     decode_audio,
     encodable_formats,
@@ -23,6 +24,9 @@ from omnistage.media import (  # noqa: E402
     load_part,
 )
 from omnistage.testing.media_files import Image, make_video, png_bytes, sf, sound_file, tone  # noqa: E402
+
+# The test server is on 127.0.0.1, which the default policy refuses.
+LOCAL = RemotePolicy(allow_internal=frozenset({"127.0.0.1"}))
 
 
 def b64(data: bytes) -> str:
@@ -60,7 +64,7 @@ def test_image_from_data_url_base64_and_http(picture, media_server) -> None:
     expected = np.asarray(picture)
     for source in (f"data:image/png;base64,{b64(data)}", b64(data), media_server.url("files/pic.png"),
                    media_server.url("stream/pic.png")):
-        item = load_part(image_part(source), "messages[0].content[0]")
+        item = load_part(image_part(source), "messages[0].content[0]", policy=LOCAL)
         assert item.kind == "image" and item.value.mode == "RGB"
         assert np.array_equal(np.asarray(item.value), expected)
     # The bare-string form some clients send.
@@ -115,7 +119,8 @@ def test_audio_sources_and_rates(stereo_wav, media_server) -> None:
     mono = samples.mean(axis=1)
     at_source = load_part(audio_part(data), audio_rate=44100).value
     np.testing.assert_allclose(at_source, mono, atol=1 / 32768)  # 16-bit quantisation only
-    by_url = load_part({"type": "audio_url", "audio_url": {"url": media_server.url("files/a.wav")}}, audio_rate=24000)
+    by_url = load_part({"type": "audio_url", "audio_url": {"url": media_server.url("files/a.wav")}}, audio_rate=24000,
+                       policy=LOCAL)
     assert by_url.kind == "audio" and by_url.value.shape == (24000,)
     data_url = load_part({"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{b64(data)}"}})
     assert data_url.value.shape == (16000,)
@@ -183,7 +188,7 @@ def test_streamed_speech_needs_no_soundfile(monkeypatch) -> None:
 def test_video_frames_and_audio_track(video_with_audio, media_server) -> None:
     media_server.files["v.mp4"] = video_with_audio
     item = load_part({"type": "video_url", "video_url": {"url": media_server.url("files/v.mp4")}}, "p",
-                     use_audio_in_video=True, audio_rate=16000)
+                     use_audio_in_video=True, audio_rate=16000, policy=LOCAL)
     video = item.value
     assert item.kind == "video"
     assert video.frames.dtype == np.uint8 and video.frames.shape == (6, 48, 64, 3)  # 3 s at 2 frames per second
@@ -222,26 +227,29 @@ def test_url_limits_and_failures(media_server, stereo_wav) -> None:
     limits = MediaLimits(max_bytes=10_000)
     for path in ("files/big.wav", "stream/big.wav"):  # announced length, and streamed without one
         with pytest.raises(RequestError) as err:
-            load_part({"type": "audio_url", "audio_url": {"url": media_server.url(path)}}, "p", limits)
+            load_part({"type": "audio_url", "audio_url": {"url": media_server.url(path)}}, "p", limits, policy=LOCAL)
         assert err.value.status == 413
+    with pytest.raises(RequestError) as err:  # the status stays in the log: the client learns nothing of the target
+        load_part(image_part(media_server.url("files/missing.png")), "p", policy=LOCAL)
+    assert err.value.status == 400 and err.value.message == "could not fetch the media at p"
     with pytest.raises(RequestError) as err:
-        load_part(image_part(media_server.url("files/missing.png")), "p")
-    assert err.value.status == 400 and "404" in err.value.message
+        load_part(image_part(media_server.url("slow/x")), "p", policy=RemotePolicy(fetch_timeout_s=0.3,
+                                                                                    allow_internal=LOCAL.allow_internal))
+    assert err.value.status == 400 and err.value.message == "could not fetch the media at p"
     with pytest.raises(RequestError) as err:
-        load_part(image_part(media_server.url("slow/x")), "p", MediaLimits(timeout_s=0.3))
-    assert err.value.status == 400 and "timed out" in err.value.message
-    for url in ("file:///etc/passwd", "ftp://example.com/a.png"):
-        with pytest.raises(RequestError) as err:
-            load_part(image_part(url), "p")
-        assert err.value.status == 400 and "http" in err.value.message
+        load_part(image_part("ftp://example.com/a.png"), "p")
+    assert err.value.status == 400 and "http" in err.value.message
+    with pytest.raises(RequestError) as err:
+        load_part(image_part("file:///etc/passwd"), "p")
+    assert err.value.status == 403 and "local media files" in err.value.message
 
 
 async def test_async_load(media_server, picture, stereo_wav) -> None:
     media_server.files["pic2.png"] = png_bytes(picture)
-    item = await aload_part(image_part(media_server.url("stream/pic2.png")), "p")
+    item = await aload_part(image_part(media_server.url("stream/pic2.png")), "p", policy=LOCAL)
     assert np.array_equal(np.asarray(item.value), np.asarray(picture))
     audio = await aload_part(audio_part(stereo_wav[0]), "p")
     assert audio.value.shape == (16000,)
     with pytest.raises(RequestError) as err:
-        await aload_part(image_part(media_server.url("stream/pic2.png")), "p", MediaLimits(max_bytes=100))
+        await aload_part(image_part(media_server.url("stream/pic2.png")), "p", MediaLimits(max_bytes=100), policy=LOCAL)
     assert err.value.status == 413

@@ -22,7 +22,7 @@ from omnistage.engine.generation.engine import GenerationEngine
 from omnistage.errors import RequestError
 from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
-from omnistage.families.causal_lm import TextPipeline, ar_engine, template_error
+from omnistage.families.causal_lm import TextPipeline, ar_engine, template_error, template_kwargs
 from omnistage.families.qwen2_5_omni import models
 from omnistage.media import MEDIA_PART_TYPES, MediaBudget, MediaLimits, RemotePolicy, check_part_count, load_part
 from omnistage.sampling_params import SamplingParams
@@ -57,10 +57,11 @@ class OmniPipeline(TextPipeline):
         if speech and messages[0].get("role") != "system":
             messages.insert(0, {"role": "system", "content": [{"type": "text", "text": SPEECH_SYSTEM_PROMPT}]})
         try:
-            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.processor.apply_chat_template(messages, tokenize=False, **template_kwargs(request.options))
             batch = self.processor(
                 text=[text], audio=media.get("audio") or None, images=media.get("image") or None,
-                videos=media.get("video") or None, return_tensors="pt", padding=False, **media_kwargs,
+                videos=media.get("video") or None, return_tensors="pt", padding=False,
+                **{**(request.options.get("mm_processor_kwargs") or {}), **media_kwargs},
             )
         except (ValueError, TypeError, KeyError) as exc:  # the messages' shape or media, not the server
             raise template_error(exc) from None
