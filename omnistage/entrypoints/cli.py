@@ -18,9 +18,11 @@ import yaml
 
 from omnistage import envs
 from omnistage.errors import ConfigError, OmniError
-from omnistage.testing.factory import CAUSAL_LM_ARCHS
 
 EXIT_USAGE = 2
+# omnistage.testing.factory's (a test keeps them equal); not imported from there, as that pulls in torch and
+# `--help` must stay fast: nothing heavy is imported before the arguments are parsed
+CAUSAL_LM_ARCHS = ("qwen2", "qwen3", "llama")
 
 # `serve` shortcut flags, each the deploy-config field it sets on every stage (`stages.*.<field>`).
 _STAGE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype")
@@ -47,6 +49,12 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
             overrides[f"stages.*.{field}"] = getattr(args, field)
     if args.enforce_eager:
         overrides["stages.*.enforce_eager"] = True
+    if args.allowed_media_domains is not None:
+        overrides["media.allowed_domains"] = args.allowed_media_domains
+    if args.no_remote_media:
+        overrides["media.remote_fetch"] = False
+    if args.allowed_local_media_path is not None:
+        overrides["media.allowed_local_path"] = args.allowed_local_media_path
     for item in args.set or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -55,24 +63,71 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """--api-key (repeatable) and --api-key-file (one key a line, # comments), else $OMNISTAGE_API_KEY."""
+    keys = list(args.api_key or [])
+    for path in args.api_key_file or []:
+        try:
+            lines = open(path, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file {path}: cannot read it ({exc.strerror})") from None
+        found = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not found:
+            raise ConfigError(f"--api-key-file {path} holds no key (one a line)")
+        keys += found
+    env_key = envs.API_KEY.get()
+    return keys or ([env_key] if env_key else [])
+
+
+def _listen(host: str, port: int) -> Any:
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}"
+                          + ("; is another server running there? pick another --port" if port else "")) from None
+    sock.listen(2048)  # connections queue from now on, answered once the server runs
+    return sock
+
+
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         overrides = serve_overrides(args)
-        from omnistage.entrypoints.async_omni import AsyncOmni
+        keys = api_keys(args)
+        sock = _listen(args.host, args.port)  # first: a busy port fails before anything loads
+    except OmniError as exc:
+        return _fail(exc)
+    from omnistage.entrypoints.async_omni import AsyncOmni
+    from omnistage.entrypoints.openai.server import ServerOptions, serve
+    from omnistage.families.registry import load_pipeline
+    from omnistage.runtime.launch import check_devices
 
-        engine = AsyncOmni.from_model(
-            args.model,
-            deploy_config=args.deploy_config,
-            overrides=overrides or None,
-            served_model_name=args.served_model_name[0] if args.served_model_name else None,
-        )
+    try:  # the checkpoint and the deploy config are checked before serving, so their errors are one line
+        pipeline = load_pipeline(args.model, args.deploy_config, overrides or None)
+        check_devices(pipeline)
+    except (OmniError, OSError) as exc:
+        sock.close()
+        return _fail(exc)
+
+    def load(progress: Any) -> AsyncOmni:
+        name = args.served_model_name[0] if args.served_model_name else None
+        return AsyncOmni.from_model(pipeline, served_model_name=name, on_progress=progress)
+
+    options = ServerOptions(
+        api_keys=keys, served_model_names=args.served_model_name, allowed_origins=args.allowed_origins or (),
+        enable_docs=args.enable_docs, metrics_without_auth=args.metrics_without_auth,
+        max_queued_requests=args.max_queued_requests, max_connections=args.max_connections,
+        body_timeout_s=args.body_timeout_s, shutdown_timeout_s=args.shutdown_timeout_s,
+    )
+    try:
+        serve(load, sock, options, log_level=args.log_level)
     except (OmniError, OSError) as exc:
         return _fail(exc)
-    from omnistage.entrypoints.openai.server import run_server
-
-    run_server(engine, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
-               served_model_names=args.served_model_name)
     return 0
 
 
@@ -87,7 +142,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         request_rate=args.request_rate,
         input_len=args.input_len,
         output_len=args.output_len,
-        api_key=args.api_key,
+        api_key=args.api_key or envs.API_KEY.get(),
         seed=args.seed,
     )
     print(json.dumps(result, indent=2))
@@ -216,18 +271,49 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help with each flag's default, where it has one and its help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description="Serve any-to-any models behind an OpenAI API.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                           formatter_class=_DefaultsFormatter, description="Operating it: docs/serving.md.")
     serve.add_argument("model", help="model directory (HF checkpoint)")
     serve.add_argument("--deploy-config", help="deploy config YAML (placement, sizing, sampling defaults)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--api-key", default=envs.API_KEY.get(), help="require this Bearer key on /v1/*"
-    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on, bound before the model loads")
+    # the key's default is resolved after parsing, so --help never shows it
+    serve.add_argument("--api-key", action="append", metavar="KEY",
+                       help="require `Authorization: Bearer KEY` on every route but /health and /ping "
+                            "(repeatable: any of the keys; default: $OMNISTAGE_API_KEY, else no key)")
+    serve.add_argument("--api-key-file", action="append", metavar="FILE",
+                       help="more keys, one a line (# comments); repeatable")
+    serve.add_argument("--metrics-without-auth", action="store_true",
+                       help="serve /metrics without a key (for a Prometheus scraper)")
+    serve.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
+                       help="CORS: browser origins allowed to call the API, or '*' (default: none)")
+    serve.add_argument("--enable-docs", action="store_true",
+                       help="serve /docs, /redoc and /openapi.json (behind the key; the pages load scripts from "
+                            "a CDN)")
+    serve.add_argument("--max-queued-requests", type=int, metavar="N",
+                       help="generations (prompts x n) admitted at once; beyond it 429 (default: the deploy "
+                            "config's limits.max_queued_requests, 256)")
+    serve.add_argument("--max-connections", type=int, default=2048, metavar="N",
+                       help="open connections; beyond it new requests get 503")
+    serve.add_argument("--body-timeout-s", type=float, default=30.0, metavar="S",
+                       help="a request's head and body must arrive within this; else 408 (or the connection "
+                            "closes)")
+    serve.add_argument("--shutdown-timeout-s", type=float, default=30.0, metavar="S",
+                       help="on SIGTERM, how long requests in flight may take to finish before they are aborted")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="model name(s) clients may send; /v1/models lists them all and responses report the "
                             "first when a request names none (default: from the model path)")
@@ -236,13 +322,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int)
     serve.add_argument("--dtype", help="e.g. bfloat16, float16, float32")
     serve.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    serve.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                       help="fetch media URLs only from these hosts and their subdomains (media.allowed_domains; "
+                            "default: any public host)")
+    serve.add_argument("--no-remote-media", action="store_true",
+                       help="never fetch media URLs; media must be inline (media.remote_fetch=false)")
+    serve.add_argument("--allowed-local-media-path", metavar="DIR",
+                       help="file:// media URLs may name files under this directory (media.allowed_local_path; "
+                            "default: none)")
     serve.add_argument(
         "--set",
         action="append",
         metavar="KEY=VALUE",
         help="deploy-config override, dotted key, YAML value (repeatable): stages.*.max_num_seqs=8",
     )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="server log level")
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
@@ -254,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals (default inf)")
     bserve.add_argument("--input-len", type=int, default=128, help="prompt length in words (~tokens)")
     bserve.add_argument("--output-len", type=int, default=128)
-    bserve.add_argument("--api-key", default=envs.API_KEY.get())
+    bserve.add_argument("--api-key", help="default: $OMNISTAGE_API_KEY")
     bserve.add_argument("--seed", type=int, default=0)
     bserve.set_defaults(func=_bench_serve)
 
