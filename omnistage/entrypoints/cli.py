@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -94,6 +95,20 @@ def _listen(host: str, port: int) -> Any:
     return sock
 
 
+def quiet_libraries(log_level: str) -> None:
+    """transformers' and the hub's warnings and progress bars stay out of the server's log unless it is at debug
+    level (loading prints dozens of them; none is about the server)."""
+    if log_level.lower() == "debug":
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -102,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
         sock = _listen(args.host, args.port)  # first: a busy port fails before anything loads
     except OmniError as exc:
         return _fail(exc)
+    quiet_libraries(args.log_level)
     from omnistage.entrypoints.async_omni import AsyncOmni
     from omnistage.entrypoints.openai.server import ServerOptions, serve
     from omnistage.families.registry import load_pipeline

@@ -54,6 +54,7 @@ class Ready(msgspec.Struct, tag="ready"):
     command_address: str  # where the orchestrator connects to send commands
     inbox_address: str | None = None  # tcp inbox: where the orchestrator pushes payloads
     vocab_size: int | None = None  # an AR stage's vocabulary, for checking requests' token ids at admission
+    summary: str = ""  # the start-up log line, logged by the orchestrator's process (the worker's log is quiet)
 
 
 class Failed(msgspec.Struct, tag="failed"):

@@ -270,6 +270,8 @@ class ProcessStageWorker:
                     self._on_outputs(msg, frames)
                 elif isinstance(msg, control.Ready):
                     self.vocab_size = msg.vocab_size
+                    if msg.summary:
+                        logger.info("%s", msg.summary)
                     with self._lock:
                         self._commands.connect(msg.command_address)
                         if msg.inbox_address:

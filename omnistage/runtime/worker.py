@@ -36,10 +36,14 @@ Report = Callable[[list[StageOutput], dict[str, Any]], None]  # (outputs, stats)
 # ---- engine loop commands: what a worker's host queues for its EngineLoop ---------------------------
 
 
-def log_ready(stage: str, engine: Any, started: float) -> None:
-    """The start-up summary line of one stage replica (inline and out-of-process workers alike)."""
+def ready_summary(stage: str, engine: Any, started: float) -> str:
+    """The start-up log line of one stage replica (inline and out-of-process workers alike)."""
     describe = getattr(engine, "describe", None)
-    logger.info("stage %r ready in %.1f s: %s", stage, time.monotonic() - started, describe() if describe else "")
+    return f"stage {stage!r} ready in {time.monotonic() - started:.1f} s: {describe() if describe else ''}"
+
+
+def log_ready(stage: str, engine: Any, started: float) -> None:
+    logger.info("%s", ready_summary(stage, engine, started))
 
 
 @dataclass

@@ -52,11 +52,11 @@ def serve(spec: control.WorkerSpec) -> int:
     try:
         try:
             from omnistage.families.registry import load_pipeline
-            from omnistage.runtime.worker import EngineLoop, log_ready
+            from omnistage.runtime.worker import EngineLoop, ready_summary
 
             started = time.monotonic()
             engine = load_pipeline(spec.model, spec.deploy).build_engine(spec.stage, spec.devices)
-            log_ready(spec.stage, engine, started)
+            summary = ready_summary(spec.stage, engine, started)
             links = [open_link(spec.inbox), open_link(spec.outbox)]
         except Exception as exc:
             emit(control.Failed(f"{type(exc).__name__}: {exc}"))
@@ -96,7 +96,7 @@ def serve(spec: control.WorkerSpec) -> int:
             threading.Thread(target=_watch_parent, args=(spec.parent_pid, links, spec.event_address),
                              daemon=True).start()
         inbox_address = links[0].address if spec.inbox.type == "tcp" else None
-        emit(control.Ready(os.getpid(), command_address, inbox_address, getattr(engine, "vocab_size", None)))
+        emit(control.Ready(os.getpid(), command_address, inbox_address, getattr(engine, "vocab_size", None), summary))
         try:
             loop.run()
         except Exception as exc:

@@ -160,6 +160,9 @@ def test_serve_loads_behind_health_then_sigterm_drains_and_cleans_up(tiny_qwen2:
             assert gone(pid), f"stage process {pid} outlived the server"
         assert list(Path("/dev/shm").glob(f"omnistage-{server.pid}-*")) == []
         assert key not in log.read_text()
+        # the start-up summary is there; transformers' warnings and progress bars are not
+        assert "stage 'lm' ready in" in log.read_text(), log.read_text()
+        assert "it/s]" not in log.read_text() and "[transformers]" not in log.read_text(), log.read_text()
     finally:
         if server.poll() is None:
             server.kill()
