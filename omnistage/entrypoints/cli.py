@@ -7,9 +7,7 @@ Start-up failures a user can fix (bad path, unsupported model, bad deploy config
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import os
 import sys
 import time
@@ -147,24 +145,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_serve(args: argparse.Namespace) -> int:
-    from omnistage.bench.serve import run_bench
-
-    result = run_bench(
-        args.base_url,
-        model=args.model,
-        num_prompts=args.num_prompts,
-        concurrency=args.concurrency,
-        request_rate=args.request_rate,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        api_key=args.api_key or envs.API_KEY.get(),
-        seed=args.seed,
-    )
-    print(json.dumps(result, indent=2))
-    return 0 if result["completed"] else 1
-
-
 def _make_tiny(args: argparse.Namespace) -> int:
     from omnistage.testing import make_tiny_causal_lm
 
@@ -267,12 +247,23 @@ def _demo(args: argparse.Namespace) -> int:
     from omnistage.testing import tiny_checkpoint
 
     t_load = time.perf_counter()
+    # a random-weight talker rarely says its end code: the page sends no sampling_params_list to stop it sooner
+    deploy = {"stages": {"talker": {"default_sampling_params": {"max_tokens": 150}}}} if args.ui else None
     try:
-        engine = AsyncOmni.from_model(tiny_checkpoint(args.arch))
+        engine = AsyncOmni.from_model(tiny_checkpoint(args.arch), deploy)
     except (OmniError, OSError) as exc:
         return _fail(exc)
     load_s = time.perf_counter() - t_load
-    print(f"loaded tiny {args.arch} checkpoint in {load_s:.1f}s (random weights, so the answer is gibberish)")
+    print(f"loaded tiny {args.arch} checkpoint from {engine.pipeline.model_path} in {load_s:.1f}s (random weights, "
+          "so the answer is gibberish)")
+    if args.ui:
+        from omnistage.entrypoints.openai.ui import serve_ui_demo
+
+        try:
+            serve_ui_demo(engine, port=args.port)
+        finally:
+            engine.shutdown()
+        return 0
     try:
         with BackgroundServer(engine, port=args.port) as server:
             _wait_healthy(server.url)
@@ -357,17 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    bserve = bench.add_parser("serve", help="load-test a running server; prints JSON")
-    bserve.add_argument("--base-url", default="http://127.0.0.1:8000")
-    bserve.add_argument("--model", help="default: the first model the server lists")
-    bserve.add_argument("--num-prompts", type=int, default=100)
-    bserve.add_argument("--concurrency", type=int, help="max requests in flight (default: all)")
-    bserve.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals (default inf)")
-    bserve.add_argument("--input-len", type=int, default=128, help="prompt length in words (~tokens)")
-    bserve.add_argument("--output-len", type=int, default=128)
-    bserve.add_argument("--api-key", help="default: $OMNISTAGE_API_KEY")
-    bserve.add_argument("--seed", type=int, default=0)
-    bserve.set_defaults(func=_bench_serve)
+    from omnistage.bench.serve import add_bench_serve_args  # argparse only: keeps --help fast
+
+    add_bench_serve_args(bench.add_parser("serve", help="load-test a running server; prints JSON"))
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (tests, demos)")
     tiny.add_argument("out_dir")
@@ -381,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=0, help="0: any free port")
     demo.add_argument("--prompt", default="Tell me about the river in the old town.")
     demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--ui", action="store_true", help="serve the demo model with the browser page until Ctrl-C")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -20,9 +20,10 @@ from omnistage.families.base import CheckpointInfo, Family, Pipeline
 def _families() -> list[Family]:
     # Imported lazily so that importing the registry stays cheap; specific families first.
     from omnistage.families.causal_lm import CausalLMFamily
+    from omnistage.families.flux import FluxFamily
     from omnistage.families.qwen2_5_omni import Qwen25OmniFamily
 
-    return [*_extra_families, *_plugin_families(), Qwen25OmniFamily(), CausalLMFamily()]
+    return [*_extra_families, *_plugin_families(), Qwen25OmniFamily(), FluxFamily(), CausalLMFamily()]
 
 
 _extra_families: list[Family] = []

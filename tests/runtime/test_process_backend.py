@@ -116,13 +116,19 @@ def test_killed_stage_fails_its_requests_and_restarts(two_stage_path: str) -> No
 
 
 def test_startup_failure_names_the_stage(tiny_qwen2: str) -> None:
-    deploy = {"worker_backend": "process", "startup_timeout_s": 60, "stages": {"lm": {"devices": "7"}}}
-    if torch.cuda.device_count() > 7:
-        pytest.skip("this machine has a GPU 7")
+    # the worker process fails while building its engine: a KV cache of one block cannot hold max_model_len
+    deploy = {"worker_backend": "process", "startup_timeout_s": 60, "stages": {"lm": {"num_kv_blocks": 1}}}
     before = set(shm_segments())
     with pytest.raises(StageError, match=r"stage 'lm' replica 0 failed to start: its process exited with code 1; "):
         Omni(tiny_qwen2, deploy)
     assert set(shm_segments()) == before
+
+
+def test_a_device_this_machine_lacks_fails_before_any_worker_starts(tiny_qwen2: str) -> None:
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a GPU 7")
+    with pytest.raises(ConfigError, match="stage 'lm' is on devices '7'"):
+        Omni(tiny_qwen2, {"worker_backend": "process", "stages": {"lm": {"devices": "7"}}})
 
 
 def test_a_stage_with_no_live_replica_turns_requests_away(tiny_qwen2: str) -> None:

@@ -59,6 +59,8 @@ from omnistage.entrypoints.openai.serving import (
     render_chat,
     render_completion,
 )
+from omnistage.entrypoints.openai.ui import UI_PATHS
+from omnistage.entrypoints.openai.ui import router as ui_router
 from omnistage.errors import OmniError, RequestError
 from omnistage.types import OmniOutput, OmniRequest
 
@@ -87,7 +89,9 @@ Progress = Callable[[str], None]
 
 INTERNAL_ERROR = "internal server error; the server log has the details"
 RETRY_AFTER_S = {429: "1", 503: "5"}  # what a refused client is told to wait, by status
-OPEN_PATHS = ("/health", "/ping")  # answer without an API key (load balancers, orchestrators)
+# answer without an API key: probes (load balancers, orchestrators) and the browser page's own files (it asks
+# for the key itself and sends it with every API call)
+OPEN_PATHS = ("/health", "/ping", *UI_PATHS)
 STATE_PATHS = (*OPEN_PATHS, "/version", "/metrics")  # answer while loading and draining too
 
 
@@ -652,6 +656,10 @@ def build_app(engine: AsyncOmni | None, api_key: str | None = None,
     _install_error_handlers(app)
     app.include_router(router)
     app.include_router(metrics_router)
+    from omnistage.entrypoints.openai import audio, embeddings, images  # (they import this module's helpers)
+
+    for extra in (audio.router, embeddings.router, images.router, ui_router):
+        app.include_router(extra)
     # add_middleware wraps: the last added runs first (CORS answers preflights before any key is asked for)
     app.add_middleware(CatchAll)
     app.add_middleware(RequestBody, edge=app.state.edge)

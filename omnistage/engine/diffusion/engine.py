@@ -1,0 +1,295 @@
+"""The diffusion engine: denoising loops of many requests, batched step by step.
+
+The family supplies the model parts (`DiffusionModel`): `encode` prompts into conditioning, `velocity` (the DiT
+forward on a batch of rows, each at its own timestep) and `decode` latents into images; the engine owns the loop.
+Each `step()` runs ONE denoising step for every running request, so requests join at step boundaries and leave as
+soon as their schedule ends, never waiting for a batch to drain; rows of one forward may be at different steps of
+different schedules (the timestep and the Euler step are per row).
+
+Batching invariants:
+- The running batch holds requests of one `batch_key` (the shapes one forward can stack: size, text length),
+  at most `max_num_seqs` images (a lone request with more runs alone). Waiting requests are admitted in arrival
+  order; one with another key waits for the batch to drain, and holds the ones behind it (no starvation).
+- With CFG (`cfg_scale(params)` not None) a request adds a negative branch: its rows again, with the negative
+  conditioning, in the same forward, mixed by `combine` (by default neg + scale * (pos - neg)).
+- Latents are drawn as diffusers' `prepare_latents` draws them for `torch.Generator("cpu").manual_seed(seed)`:
+  one CPU normal draw of shape [n, *noise_shape] in the model's dtype, so the seed gives diffusers' image; the
+  conditioning of a request's n images is its prompt's, repeated n times (`num_images_per_prompt`).
+- Per-request state (latents, conditioning) lives in the engine and is dropped on finish or abort; an abort
+  takes effect at the next step boundary.
+
+Each step yields, per running request, a delta with `tensors["progress"] = [[steps done, steps]]` (int64) and
+`num_output_tokens` = steps done; the last also carries `tensors["images"]`: [n, H, W, 3] float32 in [0, 1].
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from omnistage.config.deploy import StageConfig
+from omnistage.engine.diffusion.params import DiffusionParams
+from omnistage.engine.schedulers.flow_match import FlowMatch, Schedule
+from omnistage.errors import OmniError
+from omnistage.types import StageInput, StageOutput
+
+logger = logging.getLogger(__name__)
+
+Conditioning = dict[str, torch.Tensor]  # every tensor has one row per prompt (or per image)
+
+
+class DiffusionModel(Protocol):
+    """What a diffusion family gives the engine. `params` are resolved (no None left that the model needs)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def batch_key(self, params: DiffusionParams) -> Hashable:
+        """Requests with equal keys can share a forward (same latent and text shapes)."""
+        ...
+
+    def schedule(self, params: DiffusionParams) -> Schedule: ...
+
+    def noise_shape(self, params: DiffusionParams) -> tuple[int, ...]:
+        """The shape of one image's initial noise, as diffusers draws it (before any packing)."""
+        ...
+
+    def pack(self, noise: torch.Tensor, key: Hashable) -> torch.Tensor:
+        """Noise [n, *noise_shape] on the device -> the latent rows `velocity` takes."""
+        ...
+
+    def cfg_scale(self, params: DiffusionParams) -> float | None:
+        """The CFG scale when the request runs a negative branch, else None."""
+        ...
+
+    def encode(self, prompts: list[str], params: list[DiffusionParams]) -> Conditioning:
+        """One row per prompt; `params[i]` is the request prompt i belongs to. All are of one batch key."""
+        ...
+
+    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, key: Hashable
+                 ) -> torch.Tensor:
+        """The DiT forward: `timesteps` [rows] float32 on the device, the schedule's timesteps."""
+        ...
+
+    def decode(self, latents: torch.Tensor, key: Hashable) -> torch.Tensor:
+        """Latent rows -> images [rows, H, W, 3] float32 in [0, 1] on the CPU."""
+        ...
+
+
+def cfg_combine(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
+    return neg + scale * (pos - neg)
+
+
+@dataclass
+class _Job:
+    request_id: str
+    params: DiffusionParams
+    key: Hashable
+    schedule: Schedule
+    cfg: float | None
+    latents: torch.Tensor | None = None  # [n, ...] once started
+    cond: Conditioning | None = None  # [n, ...] rows
+    uncond: Conditioning | None = None  # [n, ...] rows of the negative branch (CFG only)
+    done: int = 0  # steps taken
+
+    @property
+    def rows(self) -> int:
+        return self.params.n
+
+    def progress(self) -> torch.Tensor:
+        return torch.tensor([[self.done, self.schedule.num_steps]], dtype=torch.int64)
+
+
+def _rows(cond: Conditioning, start: int, end: int, repeat: int) -> Conditioning:
+    return {k: v[start:end].repeat_interleave(repeat, dim=0) for k, v in cond.items()}
+
+
+def _cat(conds: list[Conditioning]) -> Conditioning:
+    return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
+
+
+class DiffusionEngine:
+    def __init__(self, name: str, model: DiffusionModel, max_num_seqs: int = 8):
+        self.name = name
+        self.model = model
+        self.max_num_seqs = max_num_seqs
+        self.combine = getattr(model, "combine", cfg_combine)
+        self.waiting: dict[str, _Job] = {}  # arrival order
+        self.running: dict[str, _Job] = {}  # admission order; one batch key
+        self.failed: list[StageOutput] = []  # to hand out at the next step
+        self.num_steps = 0
+
+    @classmethod
+    def from_stage(cls, name: str, model: DiffusionModel, cfg: StageConfig) -> DiffusionEngine:
+        """The engine of stage `name` as its deploy config sizes it (`max_num_seqs`: images per forward)."""
+        return cls(name, model, cfg.max_num_seqs)
+
+    @property
+    def device(self) -> torch.device | None:
+        return getattr(self.model, "device", None)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, inp: StageInput) -> None:
+        try:
+            params = DiffusionParams.of(inp.params).check()
+            if params.seed is None:
+                params.seed = secrets.randbits(63)
+            job = _Job(inp.request_id, params, self.model.batch_key(params), self.model.schedule(params),
+                       self.model.cfg_scale(params))
+        except Exception as exc:
+            self.failed.append(StageOutput.failure(inp.request_id, self.name, *self._error(exc)))
+            return
+        self.waiting[inp.request_id] = job
+
+    def add_input_chunk(self, request_id: str, chunk: StageInput) -> None:
+        """A diffusion request is whole when added; there are no chunks to take."""
+
+    def abort(self, request_id: str) -> None:
+        self.waiting.pop(request_id, None)
+        self.running.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.failed)
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting), "num_steps": self.num_steps,
+                "num_running_images": sum(j.rows for j in self.running.values())}
+
+    def shutdown(self) -> None:
+        self.waiting.clear()
+        self.running.clear()
+        self.failed.clear()
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StageOutput]:
+        """Admit compatible waiting requests, run one denoising step for the batch, decode the finished ones."""
+        outputs, self.failed = self.failed, []
+        outputs += self._start(self._admit())
+        if self.running:
+            outputs += self._denoise()
+        return outputs
+
+    def _admit(self) -> list[_Job]:
+        jobs = list(self.running.values()) or list(self.waiting.values())[:1]
+        if not jobs:
+            return []
+        key, rows = jobs[0].key, sum(j.rows for j in self.running.values())
+        admitted = []
+        for job in list(self.waiting.values()):
+            if job.key != key or (rows and rows + job.rows > self.max_num_seqs):
+                break  # in arrival order: later requests do not overtake this one
+            del self.waiting[job.request_id]
+            admitted.append(job)
+            rows += job.rows
+        return admitted
+
+    def _start(self, jobs: list[_Job]) -> list[StageOutput]:
+        """Encode the prompts of newly admitted requests (one call) and draw their initial latents."""
+        if not jobs:
+            return []
+        try:
+            prompts, owners = [], []
+            for job in jobs:
+                prompts.append(job.params.prompt)
+                owners.append(job.params)
+                if job.cfg is not None:
+                    prompts.append(job.params.negative_prompt or "")
+                    owners.append(job.params)
+            cond = self.model.encode(prompts, owners)
+            row = 0
+            for job in jobs:
+                job.cond = _rows(cond, row, row + 1, job.rows)
+                row += 1
+                if job.cfg is not None:
+                    job.uncond = _rows(cond, row, row + 1, job.rows)
+                    row += 1
+                generator = torch.Generator("cpu").manual_seed(job.params.seed)
+                noise = torch.randn((job.rows, *self.model.noise_shape(job.params)), generator=generator,
+                                    dtype=self.model.dtype)
+                job.latents = self.model.pack(noise.to(self.model.device), job.key)
+        except Exception as exc:  # a failed encode fails the requests it was for, not the stage
+            logger.exception("stage %s: encoding failed", self.name)
+            error = self._error(exc)
+            return [StageOutput.failure(job.request_id, self.name, *error) for job in jobs]
+        self.running.update((job.request_id, job) for job in jobs)
+        return []
+
+    def _denoise(self) -> list[StageOutput]:
+        jobs = list(self.running.values())
+        try:
+            self._step(jobs)
+            finished = [job for job in jobs if job.done == job.schedule.num_steps]
+            images = self._decode(finished)
+        except Exception as exc:  # a failed step fails its batch, not the stage
+            logger.exception("stage %s: step failed", self.name)
+            error = self._error(exc)
+            self.running.clear()
+            return [StageOutput.failure(job.request_id, self.name, *error) for job in jobs]
+        outputs = []
+        for job in jobs:
+            tensors = {"progress": job.progress()}
+            if job.request_id in images:
+                del self.running[job.request_id]
+                tensors["images"] = images[job.request_id]
+            outputs.append(StageOutput(job.request_id, self.name, tensors=tensors, num_output_tokens=job.done,
+                                       finished="images" in tensors,
+                                       finish_reason="stop" if "images" in tensors else None))
+        return outputs
+
+    def _step(self, jobs: list[_Job]) -> None:
+        """One Euler step for every row of the batch, each at its own request's step; CFG branches in the same
+        forward after the positive rows."""
+        self.num_steps += 1
+        device = self.model.device
+
+        def per_row(values: list[torch.Tensor], of: list[_Job]) -> torch.Tensor:
+            return torch.cat([v.expand(job.rows) for v, job in zip(values, of, strict=True)])
+
+        latents = torch.cat([job.latents for job in jobs])
+        sigma = per_row([job.schedule.sigmas[job.done] for job in jobs], jobs)
+        sigma_next = per_row([job.schedule.sigmas[job.done + 1] for job in jobs], jobs)
+        timesteps = per_row([job.schedule.timesteps[job.done] for job in jobs], jobs)
+        cond = _cat([job.cond for job in jobs])
+        guided = [job for job in jobs if job.cfg is not None]
+        if guided:
+            model_latents = torch.cat([latents, *(job.latents for job in guided)])
+            timesteps = torch.cat([timesteps, per_row([job.schedule.timesteps[job.done] for job in guided], guided)])
+            cond = _cat([cond, *(job.uncond for job in guided)])
+        else:
+            model_latents = latents
+        pred = self.model.velocity(model_latents, timesteps.to(device), cond, jobs[0].key)
+        velocity, start, neg = [], 0, len(latents)
+        for job in jobs:
+            pos = pred[start:start + job.rows]
+            if job.cfg is not None:
+                pos = self.combine(pos, pred[neg:neg + job.rows], job.cfg)
+                neg += job.rows
+            velocity.append(pos)
+            start += job.rows
+        latents = FlowMatch.step(latents, torch.cat(velocity), sigma, sigma_next)
+        start = 0
+        for job in jobs:
+            job.latents = latents[start:start + job.rows]
+            job.done += 1
+            start += job.rows
+
+    def _decode(self, jobs: list[_Job]) -> dict[str, torch.Tensor]:
+        if not jobs:
+            return {}
+        images = self.model.decode(torch.cat([job.latents for job in jobs]), jobs[0].key)
+        out, start = {}, 0
+        for job in jobs:
+            out[job.request_id] = images[start:start + job.rows]
+            start += job.rows
+        return out
+
+    def _error(self, exc: Exception) -> tuple[str, int]:
+        return f"stage {self.name!r} failed: {exc}", exc.status if isinstance(exc, OmniError) else 500

@@ -1,0 +1,79 @@
+"""What a diffusion request asks for (`DiffusionParams`) and what a diffusion stage's deploy config may set
+(`DiffusionOptions`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from omnistage.errors import RequestError
+
+
+@dataclass
+class DiffusionParams:
+    """One text-to-image request. None: the family's default for the checkpoint (`Family.resolve`).
+
+    `guidance_scale` is the model's own guidance: the embedded guidance of guidance-distilled models (FLUX.1-dev),
+    the CFG scale of CFG models. `true_cfg_scale` > 1 with a `negative_prompt` runs a second, negative branch in
+    the same forward and mixes the two (diffusers' true CFG). `n` images share one seed as diffusers'
+    `num_images_per_prompt` with one generator does; `seed` None draws one.
+
+    It crosses process boundaries as a plain dict (`as_wire` / `of`), which any stage worker can decode."""
+
+    prompt: str = ""
+    negative_prompt: str | None = None
+    width: int | None = None
+    height: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    max_sequence_length: int | None = None
+
+    def as_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, value: DiffusionParams | dict[str, Any]) -> DiffusionParams:
+        return value if isinstance(value, DiffusionParams) else cls(**value)
+
+    def check(self) -> DiffusionParams:
+        """Range checks that need no model (RequestError names the field)."""
+        for name in ("width", "height", "num_inference_steps", "max_sequence_length"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise RequestError(f"{name} must be a positive integer (got {value!r})", name)
+        if not isinstance(self.n, int) or self.n < 1:
+            raise RequestError(f"n must be a positive integer (got {self.n!r})", "n")
+        if self.true_cfg_scale < 0 or (self.guidance_scale is not None and self.guidance_scale < 0):
+            raise RequestError("guidance scales must not be negative", "guidance_scale")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise RequestError(f"seed must be in [0, 2**63) (got {self.seed})", "seed")
+        return self
+
+    def with_defaults(self, **defaults: Any) -> DiffusionParams:
+        """These params, with each field that is None taken from `defaults`."""
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
+
+# Acceleration a deploy config will be able to ask for; each wraps the family's DiT. None is implemented yet.
+Acceleration = Literal["cache_dit", "torch_compile", "fp8"]
+
+
+class DiffusionOptions(BaseModel):
+    """`stages.<diffusion stage>.options` of every diffusion family (a family may subclass it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    acceleration: list[Acceleration] = Field(default_factory=list, description=(
+        "DiT accelerations to apply (cache_dit: step caching, torch_compile, fp8 weights); not supported yet"))
+
+    @field_validator("acceleration")
+    @classmethod
+    def _not_yet(cls, value: list[str]) -> list[str]:
+        if value:
+            raise ValueError(f"diffusion acceleration {', '.join(value)} is not supported yet; remove it")
+        return value

@@ -1,0 +1,5 @@
+"""Noise / flow-matching time grids and update rules shared by diffusion and generation stages."""
+
+from omnistage.engine.schedulers.flow_match import FlowMatch, FlowMatchConfig, Schedule
+
+__all__ = ["FlowMatch", "FlowMatchConfig", "Schedule"]

@@ -1,0 +1,49 @@
+"""Runs inside .venvs/qwen-tts (transformers 4.57.3 + qwen-tts); driven by reference.py over JSON.
+
+argv[1] is a JSON request file; the reply is written to argv[2]. Arrays travel as .npy files."""
+
+import json
+import sys
+
+import numpy as np
+import torch
+
+
+def make_speech_tokenizer(req: dict) -> dict:
+    # A tiny random 12 Hz tokenizer saved by the package itself: the layout the checkpoint ships.
+    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
+    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
+
+    torch.manual_seed(req["seed"])
+    cfg = Qwen3TTSTokenizerV2Config(encoder_config=req["encoder_config"], decoder_config=req["decoder_config"],
+                                    encoder_valid_num_quantizers=req["decoder_config"]["num_quantizers"])
+    model = Qwen3TTSTokenizerV2Model(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.decoder.named_parameters():
+            if name.endswith("embedding_sum"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("cluster_usage"):
+                p.uniform_(0.5, 2.0)
+            elif p.ndim >= 2:
+                p.normal_(0.0, p[0].numel() ** -0.5)  # unit-gain layers: std-0.02 init decays to ~1e-8 output
+            elif name.endswith((".scale", ".gamma")):
+                p.fill_(0.5)  # default LayerScale/ConvNeXt gains (1e-2, 1e-6) would hide those blocks
+    model.save_pretrained(req["out"], safe_serialization=True)
+    return {"ok": True}
+
+
+def decode(req: dict) -> dict:
+    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
+
+    model = Qwen3TTSTokenizerV2Model.from_pretrained(req["dir"], attn_implementation="eager").eval()
+    codes = torch.from_numpy(np.load(req["codes"]))  # [B, Q, T]
+    with torch.no_grad():
+        wav = model.decoder(codes) if req.get("one_shot", True) else model.decoder.chunked_decode(codes)
+    np.save(req["wav"], wav.squeeze(1).float().numpy())
+    return {"ok": True, "upsample": int(model.decoder.total_upsample)}
+
+
+if __name__ == "__main__":
+    request = json.loads(open(sys.argv[1]).read())
+    reply = {"make_speech_tokenizer": make_speech_tokenizer, "decode": decode}[request["op"]](request)
+    open(sys.argv[2], "w").write(json.dumps(reply))

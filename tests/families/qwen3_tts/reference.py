@@ -1,0 +1,53 @@
+"""The authors' `qwen-tts` package as a parity reference, run in its own venv (.venvs/qwen-tts) by subprocess.
+
+JSON in/out through files; arrays as .npy in a temp dir. Tests call `require_reference_venv()`, which builds
+the venv with tools/reference_venvs/qwen_tts.sh and skips (with the reason) only when that build fails."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+VENV_PY = ROOT / ".venvs" / "qwen-tts" / "bin" / "python"
+_WORKER = Path(__file__).with_name("_ref_worker.py")
+
+
+def require_reference_venv() -> Path:
+    """Build the venv if needed; skip the calling test only if it cannot be built."""
+    build = subprocess.run(["bash", str(ROOT / "tools/reference_venvs/qwen_tts.sh")], capture_output=True, text=True)
+    if build.returncode != 0 or not VENV_PY.exists():
+        pytest.skip(f"qwen-tts reference venv could not be built: {build.stderr[-500:]}")
+    return VENV_PY
+
+
+def call(op: str, **request: Any) -> dict:
+    """Run one worker op in the reference venv; raises with its stderr on failure."""
+    with tempfile.TemporaryDirectory() as tmp:
+        req, rep = Path(tmp, "req.json"), Path(tmp, "rep.json")
+        req.write_text(json.dumps({"op": op, **request}))
+        proc = subprocess.run([str(VENV_PY), str(_WORKER), str(req), str(rep)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"reference {op} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(rep.read_text())
+
+
+def make_speech_tokenizer(out: Path, encoder_config: dict, decoder_config: dict, seed: int = 0) -> Path:
+    call("make_speech_tokenizer", out=str(out), encoder_config=encoder_config, decoder_config=decoder_config,
+         seed=seed)
+    return out
+
+
+def decode(speech_tokenizer_dir: Path, codes: np.ndarray, one_shot: bool = True) -> np.ndarray:
+    """The package decoder's waveform [B, T * 1920] for codes [B, Q, T] (one-shot or its chunked_decode)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        c, w = Path(tmp, "codes.npy"), Path(tmp, "wav.npy")
+        np.save(c, codes.astype(np.int64))
+        call("decode", dir=str(speech_tokenizer_dir), codes=str(c), wav=str(w), one_shot=one_shot)
+        return np.load(w)
