@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import torch
 
-from omnistage.sampling_params import SamplingParams
+from omnistage.sampling_params import SamplingParams, StructuredOutput
 from omnistage.types import StageInput, StageOutput, TokenLogprob
 
 TAG = "__omni__"  # reserved key marking a typed node in the header
@@ -35,7 +35,7 @@ def wire_type(cls: type) -> type:
     return cls
 
 
-for _cls in (StageInput, StageOutput, TokenLogprob, SamplingParams):
+for _cls in (StageInput, StageOutput, TokenLogprob, SamplingParams, StructuredOutput):
     wire_type(_cls)
 
 

@@ -82,3 +82,14 @@ def test_bad_specs_are_400(real_served: Served) -> None:
     assert_openai_error(resp, 400, "send only one")
     resp = http.post("/v1/chat/completions", json={**base, "response_format": {"type": "json_schema"}})
     assert_openai_error(resp, 400, "json_schema")
+
+
+def test_structured_output_crosses_to_a_stage_process(tiny_qwen2: str) -> None:
+    """The process backend (the default with a GPU) carries the constraint to the stage's own process."""
+    from omnistage import Omni, SamplingParams
+
+    with Omni(tiny_qwen2, {"worker_backend": "process", "stages": {"lm": {"dtype": "float32"}}}) as omni:
+        params = SamplingParams(max_tokens=10, temperature=0, structured_outputs={"choice": ["yes", "no"]},
+                                logit_bias={5: 1.0})
+        (out,) = omni.generate(["Answer:"], params)
+    assert out.error is None and out.text in ("yes", "no")

@@ -36,7 +36,8 @@ def health(http: httpx.Client) -> int:
 
 
 def test_inline_stage_death_is_restarted_and_health_recovers(tiny_qwen2: str) -> None:
-    engine = AsyncOmni.from_model(tiny_qwen2, {"max_restarts": 1, "stages": {"*": {"dtype": "float32"}}})
+    engine = AsyncOmni.from_model(tiny_qwen2, {"worker_backend": "inline", "max_restarts": 1,
+                                              "stages": {"*": {"dtype": "float32"}}})
     try:
         with BackgroundServer(engine) as server, httpx.Client(base_url=server.url, timeout=60) as http:
             expected = http.post("/v1/chat/completions", json=BODY).json()["choices"][0]["message"]["content"]

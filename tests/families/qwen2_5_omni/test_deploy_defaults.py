@@ -45,7 +45,7 @@ def test_the_defaults_are_the_shipped_config(tiny_qwen2_5_omni: str, monkeypatch
     for stage, fields in config["stages"].items():
         assert deploy.stage(stage).model_dump(include=set(fields)) == fields, stage
     assert deploy.stage("token2wav").dtype == "bfloat16" and deploy.stage("thinker").dtype == "auto"
-    assert deploy.stage("talker").sampling_params().max_tokens is None  # speaks until its end code
+    assert deploy.stage("talker").sampling_params().max_tokens == 3000  # speaks until its end code, a minute at most
     one = build_pipeline(tiny_qwen2_5_omni, CONFIGS / "1gpu.yaml").deploy
     assert {one.stage(name).devices for name in STAGES} == {"0"}
     exact = build_pipeline(tiny_qwen2_5_omni, overrides={"stages.token2wav.dtype": "float32"}).deploy
