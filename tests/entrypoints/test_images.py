@@ -30,8 +30,9 @@ def flux_path() -> str:
 def client(flux_path: str):
     from omnistage.entrypoints.async_omni import AsyncOmni
 
-    # float32, as diffusers runs on the CPU here (on a GPU the default would be bfloat16)
-    engine = AsyncOmni.from_model(flux_path, {"stages": {"*": {"dtype": "float32"}}}, served_model_name="flux")
+    # float32 on the CPU, as the diffusers reference runs (on a GPU the default would be bfloat16 on the GPU)
+    engine = AsyncOmni.from_model(flux_path, {"stages": {"*": {"dtype": "float32", "devices": "cpu"}}},
+                                  served_model_name="flux")
     with BackgroundServer(engine) as server:
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
     engine.shutdown()

@@ -32,7 +32,8 @@ def omni(tiny_qwen2_5_omni: str) -> Iterator[tuple[Any, httpx.Client]]:
     from omnistage.entrypoints.async_omni import AsyncOmni
 
     engine = AsyncOmni.from_model(tiny_qwen2_5_omni, {"stages": {
-        "*": {"max_model_len": 512, "dtype": "float32"},
+        # on the CPU even beside a GPU: the disconnect test needs a reply that takes longer than its client waits
+        "*": {"max_model_len": 512, "dtype": "float32", "devices": "cpu"},
         "talker": {"default_sampling_params": {"max_tokens": 300, "temperature": 0}}}}, served_model_name="omni")
     with BackgroundServer(engine) as server, httpx.Client(base_url=server.url, timeout=120) as http:
         yield engine, http

@@ -44,7 +44,7 @@ def reference(path: str) -> FluxPipeline:
 
 @pytest.fixture(scope="module")
 def pipeline(path: str) -> FluxImagePipeline:
-    return load_pipeline(path, {"worker_backend": "inline", "stages": {"*": {"dtype": "float32"}}})
+    return load_pipeline(path, {"worker_backend": "inline", "stages": {"*": {"dtype": "float32", "devices": "cpu"}}})
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_progress_deltas(pipeline, engine) -> None:
 def test_offline_omni_matches_diffusers_pil(path, reference) -> None:
     """End to end through the runtime: PIL images as diffusers' `output_type="pil"` rounds them."""
     p = replace(BASE, n=2, seed=13)
-    with Omni(path, {"worker_backend": "inline", "stages": {"*": {"dtype": "float32"}}}) as omni:
+    with Omni(path, {"worker_backend": "inline", "stages": {"*": {"dtype": "float32", "devices": "cpu"}}}) as omni:
         (out,) = omni.generate(p.prompt, output_modalities=("image",), diffusion=p)
     assert out.error is None and out.num_output_tokens == 4
     want = (diffusers_images(reference, p) * 255).round().astype(np.uint8)
