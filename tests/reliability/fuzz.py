@@ -44,8 +44,10 @@ class Call:
 
 
 class Mutator:
-    def __init__(self, seed: int, model: str, stages: int = 1, audio: bool = False) -> None:
+    def __init__(self, seed: int, model: str, stages: int = 1, audio: bool = False, endpoints: bool = False) -> None:
+        """`endpoints`: also fuzz /v1/embeddings, /tokenize and /detokenize (models that serve them)."""
         self.rng, self.model, self.stages, self.audio = random.Random(seed), model, stages, audio
+        self.endpoints = endpoints
 
     # ---- valid bodies to start from
 
@@ -121,8 +123,23 @@ class Mutator:
                 body[self.rng.choice(fields)] = self._odd()
         return path, body
 
+    def _other_endpoint(self) -> tuple[str, dict[str, Any]]:
+        """/v1/embeddings, /tokenize, /detokenize: a valid body with one field made odd."""
+        path, body = self.rng.choice([
+            ("/v1/embeddings", {"model": self.model, "input": "The river"}),
+            ("/tokenize", {"model": self.model, "prompt": "The river"}),
+            ("/tokenize", {"model": self.model, "messages": [{"role": "user", "content": "hi"}]}),
+            ("/detokenize", {"model": self.model, "tokens": [1, 2, 3]}),
+        ])
+        fields = [*body, "encoding_format", "dimensions", "add_generation_prompt", "add_special_tokens"]
+        body[self.rng.choice(fields)] = self._odd()
+        return path, body
+
     def call(self) -> Call:
         roll = self.rng.random()
+        if self.endpoints and roll > 0.85:
+            path, body = self._other_endpoint()
+            return Call("POST", path, json.dumps(body, allow_nan=True).encode())
         if roll < 0.05:  # not JSON, or JSON that is not an object
             path = self.rng.choice(["/v1/chat/completions", "/v1/completions"])
             raw = self.rng.choice([b"{", b"[]", b"null", b"\xff\xfe", b'{"model": ', b"12", b""])

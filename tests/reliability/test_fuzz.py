@@ -1,4 +1,5 @@
-"""Mutated requests against real servers on tiny checkpoints (a causal LM, Qwen2.5-Omni), sent concurrently so
+"""Mutated requests against real servers on tiny checkpoints (a causal LM: chat, completions, embeddings, tokenize,
+detokenize; Qwen2.5-Omni: chat and completions with speech), sent concurrently so
 bad requests share engine batches with good ones. Asserted: no 5xx but declared stage failures, no hang, the
 server still answers a valid request exactly as before, and its memory stays bounded.
 
@@ -50,7 +51,7 @@ def _in_band_errors(text: str) -> list[str]:
 
 
 def fuzz(url: str, model: str, count: int, seed: int, stages: int, audio: bool) -> dict[str, Any]:
-    mutator = Mutator(seed, model, stages, audio)
+    mutator = Mutator(seed, model, stages, audio, endpoints=not audio)
     calls = [mutator.call() for _ in range(count)]
     statuses: collections.Counter[int] = collections.Counter()
     defects: list[str] = []
