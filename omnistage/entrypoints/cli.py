@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -93,6 +94,18 @@ def _listen(host: str, port: int) -> Any:
     return sock
 
 
+def override_chat_template(pipeline: Any, template: str) -> None:
+    """`--chat-template`: a file's contents, or the text itself, as the chat template of the entry stage's
+    tokenizer (and of a multimodal model's processor, which renders its own)."""
+    path = Path(template)
+    text = path.read_text(encoding="utf-8") if len(template) < 4096 and path.is_file() else template
+    if "{" not in text:
+        raise ConfigError(f"--chat-template {template!r} is neither a file nor a Jinja template")
+    for owner in (pipeline.tokenizer, getattr(pipeline, "processor", None)):
+        if owner is not None:
+            owner.chat_template = text
+
+
 def quiet_libraries(log_level: str) -> None:
     """transformers' and the hub's warnings and progress bars stay out of the server's log unless it is at debug
     level (loading prints dozens of them; none is about the server)."""
@@ -124,6 +137,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:  # the checkpoint and the deploy config are checked before serving, so their errors are one line
         pipeline = load_pipeline(args.model, args.deploy_config, overrides or None)
         check_devices(pipeline)
+        if args.chat_template:
+            override_chat_template(pipeline, args.chat_template)
     except (OmniError, OSError) as exc:
         sock.close()
         return _fail(exc)
@@ -146,9 +161,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from omnistage.testing import make_tiny_causal_lm
+    if args.arch == "qwen2_5_omni":
+        from omnistage.testing.qwen2_5_omni import make_tiny_qwen2_5_omni
 
-    print(make_tiny_causal_lm(args.out_dir, arch=args.arch))
+        print(make_tiny_qwen2_5_omni(args.out_dir))
+    elif args.arch in ("flux-dev", "flux-schnell"):
+        from omnistage.testing.flux import make_tiny_flux
+
+        print(make_tiny_flux(args.out_dir, variant=args.arch.removeprefix("flux-")))
+    else:
+        from omnistage.testing import make_tiny_causal_lm
+
+        print(make_tiny_causal_lm(args.out_dir, arch=args.arch))
     return 0
 
 
@@ -237,6 +261,7 @@ def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out
 
 
 DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni")
+TINY_ARCHS = (*DEMO_ARCHS, "flux-dev", "flux-schnell")  # every layout the tiny-checkpoint factory knows
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -324,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="model name(s) clients may send; /v1/models lists them all and responses report the "
                             "first when a request names none (default: from the model path)")
+    serve.add_argument("--chat-template", help="a Jinja chat template (a file, or the template itself) replacing the "
+                       "checkpoint's")
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--max-num-seqs", type=int)
     serve.add_argument("--max-num-batched-tokens", type=int)
@@ -354,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (tests, demos)")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", default="qwen2", choices=CAUSAL_LM_ARCHS)
+    tiny.add_argument("--arch", default="qwen2", choices=TINY_ARCHS)
     tiny.set_defaults(func=_make_tiny)
 
     demo = sub.add_parser("demo", help="serve a tiny model and chat with it through the OpenAI client")

@@ -69,3 +69,20 @@ def test_unreadable_key_file_is_one_line_error(tmp_path: Path) -> None:
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --api-key-file"), proc.stderr
+
+
+def test_chat_template_override_and_make_tiny_knows_every_layout(tiny_qwen2: str, tmp_path) -> None:
+    from omnistage.entrypoints.cli import TINY_ARCHS, override_chat_template
+    from omnistage.errors import ConfigError
+    from omnistage.families.registry import load_pipeline
+    from omnistage.types import OmniRequest
+
+    pipeline = load_pipeline(tiny_qwen2)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    override_chat_template(pipeline, str(template))
+    ids = pipeline.tokenize(OmniRequest(messages=[{"role": "user", "content": "hi"}]))
+    assert pipeline.tokenizer.decode(ids) == "<<hi>>"
+    with pytest.raises(ConfigError, match="neither a file nor a Jinja template"):
+        override_chat_template(pipeline, "no-such-file.jinja")
+    assert {"qwen2", "qwen2_5_omni", "flux-dev", "flux-schnell"} <= set(TINY_ARCHS)
