@@ -4,7 +4,7 @@ side by side.
 Modes (a `Mode` says which route a request goes to and what each streamed event carries):
   text   streams /v1/completions: TTFT, TPOT, ITL, throughput;
   audio  streams /v1/chat/completions with modalities text+audio (pcm16) against a speech model: also time to
-         first audio, RTF (seconds of audio produced per second of wall time; above 1 is faster than real time)
+         first audio, RTF (wall seconds per second of audio produced; below 1 is faster than real time)
          and stalls (where a client playing each chunk as it arrives would have run dry).
 A TTS mode (/v1/audio/speech with `stream_format: "sse"`, whose `speech.audio.delta` events carry base64 audio)
 is one more Mode: its request builder and its event reader; the measurements are shared.
@@ -353,12 +353,12 @@ def _summary(values_s: list[float]) -> dict[str, float | None]:
 
 
 def _ratio_summary(values: list[float]) -> dict[str, float | None]:
-    """mean / median / min (the worst request, for a speed where higher is better)."""
+    """mean / median / max (the worst request, for a ratio where lower is better, as RTF)."""
     if not values:
-        return {"mean": None, "median": None, "min": None}
+        return {"mean": None, "median": None, "max": None}
     arr = np.asarray(values)
     return {"mean": round(float(arr.mean()), 4), "median": round(float(np.median(arr)), 4),
-            "min": round(float(arr.min()), 4)}
+            "max": round(float(arr.max()), 4)}
 
 
 def _audio_report(done: list[RequestResult], duration: float, buffer_s: float) -> dict[str, Any]:
@@ -366,7 +366,7 @@ def _audio_report(done: list[RequestResult], duration: float, buffer_s: float) -
     audio_s = sum(r.audio_seconds for r in done)
     return {
         "ttfa_ms": _summary([r.ttfa for r in done if r.ttfa is not None]),
-        "rtf": _ratio_summary([r.audio_seconds / r.latency for r in done if r.latency > 0]),
+        "rtf": _ratio_summary([r.latency / r.audio_seconds for r in done if r.audio_seconds > 0]),
         "total_audio_s": round(audio_s, 3),
         "audio_throughput": round(audio_s / duration, 4) if duration else None,  # audio seconds per wall second
         "playback_buffer_ms": round(buffer_s * 1000, 3),
