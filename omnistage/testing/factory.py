@@ -163,20 +163,27 @@ def make_tiny_causal_lm(
 def tiny_checkpoint(arch: str = "qwen2", seed: int = 0) -> Path:
     """Return a cached tiny checkpoint dir, built atomically (tmp dir + rename): safe for concurrent callers.
 
-    `arch`: a causal-LM arch ("qwen2", "qwen3", "llama") or "qwen2_5_omni" (see testing/qwen2_5_omni.py).
+    `arch`: a causal-LM arch ("qwen2", "qwen3", "llama"), "qwen2_5_omni" (see testing/qwen2_5_omni.py) or
+    "flux-dev" / "flux-schnell" (testing/flux.py).
 
     Cache root: $OMNISTAGE_CACHE (default ~/.cache/omnistage/tiny); entries are keyed by FACTORY_VERSION
     (OMNI_FACTORY_VERSION for qwen2_5_omni).
     """
     root = Path(envs.CACHE_DIR.get() or Path.home() / ".cache" / "omnistage" / "tiny")
+    marker = "config.json"
     if arch == "qwen2_5_omni":
         from omnistage.testing.qwen2_5_omni import OMNI_FACTORY_VERSION, make_tiny_qwen2_5_omni
 
         version, make = OMNI_FACTORY_VERSION, lambda out: make_tiny_qwen2_5_omni(out, seed=seed)
+    elif arch in ("flux-dev", "flux-schnell"):
+        from omnistage.testing.flux import FLUX_FACTORY_VERSION, make_tiny_flux
+
+        version, marker = FLUX_FACTORY_VERSION, "model_index.json"
+        make = lambda out: make_tiny_flux(out, arch.removeprefix("flux-"), seed)  # noqa: E731
     else:
         version, make = FACTORY_VERSION, lambda out: make_tiny_causal_lm(out, arch=arch, seed=seed)
     final = root / f"{arch}-s{seed}-v{version}"
-    if (final / "config.json").is_file():
+    if (final / marker).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
@@ -186,7 +193,7 @@ def tiny_checkpoint(arch: str = "qwen2", seed: int = 0) -> Path:
         try:
             os.rename(tmp, final)
         except OSError:
-            if not (final / "config.json").is_file():  # lost the race only if the winner finished
+            if not (final / marker).is_file():  # lost the race only if the winner finished
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

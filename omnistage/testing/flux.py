@@ -9,14 +9,10 @@ neither (static shift 1), as the released checkpoints do.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
-
-from omnistage import envs
 
 # Bump whenever the produced files change, so stale cached checkpoints are not reused.
 FLUX_FACTORY_VERSION = 1
@@ -116,21 +112,7 @@ def make_tiny_flux(out_dir: str | Path, variant: str = "dev", seed: int = 0) -> 
 
 
 def tiny_flux(variant: str = "dev", seed: int = 0) -> Path:
-    """A cached tiny FLUX checkpoint dir (under $OMNISTAGE_CACHE like `tiny_checkpoint`), built atomically."""
-    root = Path(envs.CACHE_DIR.get() or Path.home() / ".cache" / "omnistage" / "tiny")
-    final = root / f"flux-{variant}-s{seed}-v{FLUX_FACTORY_VERSION}"
-    if (final / "model_index.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
-    try:
-        make_tiny_flux(tmp, variant, seed)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "model_index.json").is_file():  # lost the race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    """A cached tiny FLUX checkpoint dir: `tiny_checkpoint("flux-<variant>")`."""
+    from omnistage.testing.factory import tiny_checkpoint
+
+    return tiny_checkpoint(f"flux-{variant}", seed)
