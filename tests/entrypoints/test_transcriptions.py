@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from openai_helpers import wait_for
 
 from omnistage.entrypoints.openai.audio import router as audio_router
 from omnistage.entrypoints.openai.audio import subtitles
@@ -280,15 +280,6 @@ def test_client_leaving_aborts(omni: tuple[Any, str], monkeypatch: pytest.Monkey
             _post(url, files=files, data=data, timeout=0.3)
     assert wait_for(lambda: len(outcomes) == 1 and _running(engine) == 0, 10.0), (outcomes, engine.stats())
     assert list(outcomes.values()) == ["closed"]
-
-
-def wait_for(predicate: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_audio_longer_than_the_context_is_a_400(omni: tuple[Any, str]) -> None:
