@@ -18,6 +18,7 @@ import yaml
 
 from omnistage import envs
 from omnistage.errors import ConfigError, OmniError
+from omnistage.testing.factory import DIFFUSERS_LAYOUTS
 
 EXIT_USAGE = 2
 # omnistage.testing.factory's (a test keeps them equal); not imported from there, as that pulls in torch and
@@ -165,10 +166,10 @@ def _make_tiny(args: argparse.Namespace) -> int:
         from omnistage.testing.qwen2_5_omni import make_tiny_qwen2_5_omni
 
         print(make_tiny_qwen2_5_omni(args.out_dir))
-    elif args.arch in ("flux-dev", "flux-schnell"):
-        from omnistage.testing.flux import make_tiny_flux
+    elif args.arch in DIFFUSERS_LAYOUTS:
+        from omnistage.testing.factory import make_tiny_diffusers
 
-        print(make_tiny_flux(args.out_dir, variant=args.arch.removeprefix("flux-")))
+        print(make_tiny_diffusers(args.arch, args.out_dir))
     else:
         from omnistage.testing import make_tiny_causal_lm
 
@@ -261,7 +262,7 @@ def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out
 
 
 DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni")
-TINY_ARCHS = (*DEMO_ARCHS, "flux-dev", "flux-schnell")  # every layout the tiny-checkpoint factory knows
+TINY_ARCHS = (*DEMO_ARCHS, *DIFFUSERS_LAYOUTS)  # every layout the tiny-checkpoint factory knows
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ Everything is built locally (no hub access): a byte-level BPE tokenizer trained 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -160,14 +161,33 @@ def make_tiny_causal_lm(
     return out
 
 
+# Tiny checkpoints in diffusers' pipeline layouts: arch -> (module under omnistage.testing, variant). Each module
+# has `FACTORY_VERSION` and `make_tiny(out_dir, variant, seed)`.
+DIFFUSERS_LAYOUTS: dict[str, tuple[str, str]] = {
+    "flux-dev": ("flux", "dev"),
+    "flux-schnell": ("flux", "schnell"),
+    "qwen-image": ("qwen_image", "t2i"),
+    "qwen-image-edit": ("qwen_image", "edit"),
+    "qwen-image-edit-plus": ("qwen_image", "edit-plus"),
+    "z-image": ("z_image", "base"),
+    "z-image-turbo": ("z_image", "turbo"),
+}
+
+
+def make_tiny_diffusers(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the tiny checkpoint of a diffusers layout (`DIFFUSERS_LAYOUTS`) to `out_dir`."""
+    module, variant = DIFFUSERS_LAYOUTS[arch]
+    return importlib.import_module(f"omnistage.testing.{module}").make_tiny(out_dir, variant, seed)
+
+
 def tiny_checkpoint(arch: str = "qwen2", seed: int = 0) -> Path:
     """Return a cached tiny checkpoint dir, built atomically (tmp dir + rename): safe for concurrent callers.
 
-    `arch`: a causal-LM arch ("qwen2", "qwen3", "llama"), "qwen2_5_omni" (see testing/qwen2_5_omni.py) or
-    "flux-dev" / "flux-schnell" (testing/flux.py).
+    `arch`: a causal-LM arch ("qwen2", "qwen3", "llama"), "qwen2_5_omni" (see testing/qwen2_5_omni.py) or a
+    diffusers layout of `DIFFUSERS_LAYOUTS` ("flux-dev", "qwen-image", "z-image-turbo", ...).
 
-    Cache root: $OMNISTAGE_CACHE (default ~/.cache/omnistage/tiny); entries are keyed by FACTORY_VERSION
-    (OMNI_FACTORY_VERSION for qwen2_5_omni).
+    Cache root: $OMNISTAGE_CACHE (default ~/.cache/omnistage/tiny); entries are keyed by the factory version of
+    their layout (FACTORY_VERSION for causal LMs).
     """
     root = Path(envs.CACHE_DIR.get() or Path.home() / ".cache" / "omnistage" / "tiny")
     marker = "config.json"
@@ -175,11 +195,9 @@ def tiny_checkpoint(arch: str = "qwen2", seed: int = 0) -> Path:
         from omnistage.testing.qwen2_5_omni import OMNI_FACTORY_VERSION, make_tiny_qwen2_5_omni
 
         version, make = OMNI_FACTORY_VERSION, lambda out: make_tiny_qwen2_5_omni(out, seed=seed)
-    elif arch in ("flux-dev", "flux-schnell"):
-        from omnistage.testing.flux import FLUX_FACTORY_VERSION, make_tiny_flux
-
-        version, marker = FLUX_FACTORY_VERSION, "model_index.json"
-        make = lambda out: make_tiny_flux(out, arch.removeprefix("flux-"), seed)  # noqa: E731
+    elif arch in DIFFUSERS_LAYOUTS:
+        version = importlib.import_module(f"omnistage.testing.{DIFFUSERS_LAYOUTS[arch][0]}").FACTORY_VERSION
+        marker, make = "model_index.json", lambda out: make_tiny_diffusers(arch, out, seed)
     else:
         version, make = FACTORY_VERSION, lambda out: make_tiny_causal_lm(out, arch=arch, seed=seed)
     final = root / f"{arch}-s{seed}-v{version}"

@@ -87,7 +87,7 @@ class Toy:
     def cfg_scale(self, p: DiffusionParams) -> float | None:
         return p.true_cfg_scale if p.true_cfg_scale > 1 and p.negative_prompt is not None else None
 
-    def encode(self, prompts: list[str], params: list[DiffusionParams]) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: list[str], params: list[DiffusionParams], inputs: list[dict]) -> dict[str, torch.Tensor]:
         self.encoded.append(list(prompts))
         rows = [[float(sum(map(ord, p)) % 7) + i for i in range(4)] for p in prompts]
         return {"c": torch.tensor(rows) / 10}
@@ -114,8 +114,8 @@ def reference(model: Toy, p: DiffusionParams) -> torch.Tensor:
     ref = FlowMatchEulerDiscreteScheduler(shift=3.0)
     ref.set_timesteps(sigmas=np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps))
     x = torch.randn((p.n, 4), generator=torch.Generator("cpu").manual_seed(p.seed))
-    cond = model.encode([p.prompt], [p])["c"].repeat(p.n, 1)
-    uncond = model.encode([p.negative_prompt], [p])["c"].repeat(p.n, 1) if model.cfg_scale(p) else None
+    cond = model.encode([p.prompt], [p], [{}])["c"].repeat(p.n, 1)
+    uncond = model.encode([p.negative_prompt], [p], [{}])["c"].repeat(p.n, 1) if model.cfg_scale(p) else None
     for t in ref.timesteps:
         tt = t.expand(p.n)
         v = torch.sin(x) - cond + tt[:, None] / 1000

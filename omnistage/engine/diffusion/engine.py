@@ -41,6 +41,9 @@ from omnistage.types import StageInput, StageOutput
 logger = logging.getLogger(__name__)
 
 Conditioning = dict[str, torch.Tensor]  # every tensor has one row per prompt (or per image)
+# A request's input tensors (StageInput.tensors), e.g. the images an edit model edits: "image_0", "image_1", ...
+# uint8 [H, W, 3] each, in the order the caller gave them.
+Inputs = dict[str, torch.Tensor]
 
 
 class DiffusionModel(Protocol):
@@ -67,8 +70,9 @@ class DiffusionModel(Protocol):
         """The CFG scale when the request runs a negative branch, else None."""
         ...
 
-    def encode(self, prompts: list[str], params: list[DiffusionParams]) -> Conditioning:
-        """One row per prompt; `params[i]` is the request prompt i belongs to. All are of one batch key."""
+    def encode(self, prompts: list[str], params: list[DiffusionParams], inputs: list[Inputs]) -> Conditioning:
+        """One row per prompt; `params[i]` and `inputs[i]` are those of the request prompt i belongs to (a negative
+        prompt is conditioned on its request's input images too). All are of one batch key."""
         ...
 
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning, key: Hashable
@@ -79,6 +83,12 @@ class DiffusionModel(Protocol):
     def decode(self, latents: torch.Tensor, key: Hashable) -> torch.Tensor:
         """Latent rows -> images [rows, H, W, 3] float32 in [0, 1] on the CPU."""
         ...
+
+
+def cat_conditioning(conds: list[Conditioning]) -> Conditioning:
+    """The default `collate`: the batch's conditioning rows stacked (a family whose text lengths vary per request
+    overrides it to pad)."""
+    return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
 
 
 def cfg_combine(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
@@ -92,6 +102,7 @@ class _Job:
     key: Hashable
     schedule: Schedule
     cfg: float | None
+    inputs: Inputs
     latents: torch.Tensor | None = None  # [n, ...] once started
     cond: Conditioning | None = None  # [n, ...] rows
     uncond: Conditioning | None = None  # [n, ...] rows of the negative branch (CFG only)
@@ -109,16 +120,14 @@ def _rows(cond: Conditioning, start: int, end: int, repeat: int) -> Conditioning
     return {k: v[start:end].repeat_interleave(repeat, dim=0) for k, v in cond.items()}
 
 
-def _cat(conds: list[Conditioning]) -> Conditioning:
-    return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
-
-
 class DiffusionEngine:
     def __init__(self, name: str, model: DiffusionModel, max_num_seqs: int = 8):
         self.name = name
         self.model = model
         self.max_num_seqs = max_num_seqs
+        # Optional hooks of the model: how CFG mixes the branches, how conditioning rows form a batch.
         self.combine = getattr(model, "combine", cfg_combine)
+        self.collate = getattr(model, "collate", cat_conditioning)
         self.waiting: dict[str, _Job] = {}  # arrival order
         self.running: dict[str, _Job] = {}  # admission order; one batch key
         self.failed: list[StageOutput] = []  # to hand out at the next step
@@ -141,7 +150,7 @@ class DiffusionEngine:
             if params.seed is None:
                 params.seed = secrets.randbits(63)
             job = _Job(inp.request_id, params, self.model.batch_key(params), self.model.schedule(params),
-                       self.model.cfg_scale(params))
+                       self.model.cfg_scale(params), dict(inp.tensors))
         except Exception as exc:
             self.failed.append(StageOutput.failure(inp.request_id, self.name, *self._error(exc)))
             return
@@ -196,14 +205,13 @@ class DiffusionEngine:
         if not jobs:
             return []
         try:
-            prompts, owners = [], []
+            prompts, owners, inputs = [], [], []
             for job in jobs:
-                prompts.append(job.params.prompt)
-                owners.append(job.params)
-                if job.cfg is not None:
-                    prompts.append(job.params.negative_prompt or "")
-                    owners.append(job.params)
-            cond = self.model.encode(prompts, owners)
+                branches = [job.params.prompt] + ([job.params.negative_prompt or ""] if job.cfg is not None else [])
+                prompts += branches
+                owners += [job.params] * len(branches)
+                inputs += [job.inputs] * len(branches)
+            cond = self.model.encode(prompts, owners, inputs)
             row = 0
             for job in jobs:
                 job.cond = _rows(cond, row, row + 1, job.rows)
@@ -219,6 +227,8 @@ class DiffusionEngine:
             logger.exception("stage %s: encoding failed", self.name)
             error = self._error(exc)
             return [StageOutput.failure(job.request_id, self.name, *error) for job in jobs]
+        for job in jobs:
+            job.inputs = {}  # encoded into the conditioning; not needed any more
         self.running.update((job.request_id, job) for job in jobs)
         return []
 
@@ -257,14 +267,11 @@ class DiffusionEngine:
         sigma = per_row([job.schedule.sigmas[job.done] for job in jobs], jobs)
         sigma_next = per_row([job.schedule.sigmas[job.done + 1] for job in jobs], jobs)
         timesteps = per_row([job.schedule.timesteps[job.done] for job in jobs], jobs)
-        cond = _cat([job.cond for job in jobs])
         guided = [job for job in jobs if job.cfg is not None]
+        model_latents = torch.cat([latents, *(job.latents for job in guided)])
         if guided:
-            model_latents = torch.cat([latents, *(job.latents for job in guided)])
             timesteps = torch.cat([timesteps, per_row([job.schedule.timesteps[job.done] for job in guided], guided)])
-            cond = _cat([cond, *(job.uncond for job in guided)])
-        else:
-            model_latents = latents
+        cond = self.collate([job.cond for job in jobs] + [job.uncond for job in guided])
         pred = self.model.velocity(model_latents, timesteps.to(device), cond, jobs[0].key)
         velocity, start, neg = [], 0, len(latents)
         for job in jobs:

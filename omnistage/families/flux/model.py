@@ -88,7 +88,8 @@ class FluxModel:
 
     # ---- the three calls of the loop --------------------------------------------------------
 
-    def encode(self, prompts: list[str], params: list[DiffusionParams]) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: list[str], params: list[DiffusionParams], inputs: list[dict[str, torch.Tensor]]
+               ) -> dict[str, torch.Tensor]:
         """CLIP's pooled embedding and T5's padded sequence per prompt, plus the embedded guidance (FLUX.1-dev)."""
         clip_ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
                                   truncation=True, return_tensors="pt").input_ids
