@@ -32,6 +32,12 @@ class DiffusionParams:
     n: int = 1
     seed: int | None = None
     max_sequence_length: int | None = None
+    # A LoRA adapter of the DiT for this request: {"name": str, "path": str, "scale": float}; requests with
+    # different adapters (or scales) never share a forward.
+    lora: dict[str, Any] | None = None
+    # Decode the VAE image by image (slicing) or in overlapping tiles (tiling): less memory, same image.
+    vae_use_slicing: bool = False
+    vae_use_tiling: bool = False
 
     def as_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +58,16 @@ class DiffusionParams:
             raise RequestError("guidance scales must not be negative", "guidance_scale")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63) (got {self.seed})", "seed")
+        if self.lora is not None:
+            if not isinstance(self.lora, dict) or not isinstance(self.lora.get("name", ""), str) or \
+                    not isinstance(self.lora.get("path"), str):
+                raise RequestError("lora must be an object {name, path, scale} with a string path", "lora")
+            scale = self.lora.get("scale", 1.0)
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -10 <= scale <= 10:
+                raise RequestError(f"lora.scale must be a number in [-10, 10] (got {scale!r})", "lora.scale")
+            unknown = set(self.lora) - {"name", "path", "scale"}
+            if unknown:
+                raise RequestError(f"lora takes name, path and scale (got {sorted(unknown)})", "lora")
         return self
 
     def with_defaults(self, **defaults: Any) -> DiffusionParams:
