@@ -114,6 +114,7 @@ def quiet_libraries(log_level: str) -> None:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "warning")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -10,6 +10,7 @@ A request's `DiffusionParams` travel in `OmniRequest.options["diffusion"]`; inpu
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from omnistage.devices import resolve_device
-from omnistage.engine.diffusion import DiffusionEngine, DiffusionModel, DiffusionParams
+from omnistage.engine.diffusion import DiffusionEngine, DiffusionModel, DiffusionOptions, DiffusionParams
 from omnistage.errors import RequestError
 from omnistage.families.base import Pipeline
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
@@ -50,6 +51,7 @@ class ImagePipeline(Pipeline):
     defaults: dict[str, Any]  # per checkpoint, set by the family
     max_input_images: ClassVar[int] = 0  # edit models: how many images a request may bring
     min_input_images: ClassVar[int] = 0
+    options_class: ClassVar[type[DiffusionOptions]] = DiffusionOptions  # `stages.dit.options`
 
     def load_model(self, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
         raise NotImplementedError
@@ -86,7 +88,13 @@ class ImagePipeline(Pipeline):
         # Image DiTs are released in bfloat16; float32 on the CPU, where half precision is slow and less exact.
         dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else (
             torch.float32 if dev.type == "cpu" else torch.bfloat16)
-        return DiffusionEngine.from_stage(stage, self.load_model(dev, dtype), cfg)
+        # Offloaded weights are loaded into CPU memory; the engine streams them to `dev` as they run.
+        offload = bool(cfg.options.get("cpu_offload")) and dev.type != "cpu"
+        model = self.load_model(torch.device("cpu") if offload else dev, dtype)
+        model.device = dev
+        if getattr(model, "pipeline_class", None) is None:  # the diffusers class that reads its LoRA files
+            model.pipeline_class = json.loads((self.model_path / "model_index.json").read_text())["_class_name"]
+        return DiffusionEngine.from_stage(stage, model, cfg, self.options_class)
 
     def to_output(self, stage: str, out: StageOutput) -> OmniOutput:
         """Progress as `num_output_tokens` (steps done); the images, on the last delta, as PIL images."""

@@ -9,8 +9,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-from omnistage.config.deploy import ConfigError, parse_section
-from omnistage.engine.diffusion import DiffusionEngine, DiffusionOptions, DiffusionParams
+from omnistage.config.deploy import ConfigError
+from omnistage.engine.diffusion import DiffusionEngine, DiffusionParams
 from omnistage.engine.schedulers import FlowMatch, FlowMatchConfig
 from omnistage.types import StageInput
 
@@ -245,9 +245,3 @@ def test_bad_params_fail_the_request() -> None:
     add(engine, "bad", params(n=0))
     (out,) = engine.step()
     assert out.finish_reason == "error" and out.error_status == 400 and "n must be" in out.error
-
-
-def test_acceleration_is_refused_until_supported() -> None:
-    with pytest.raises(ConfigError, match="diffusion acceleration cache_dit is not supported yet"):
-        parse_section(DiffusionOptions, {"acceleration": ["cache_dit"]}, "stages.dit.options")
-    assert parse_section(DiffusionOptions, {}, "stages.dit.options").acceleration == []

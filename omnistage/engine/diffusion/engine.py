@@ -7,9 +7,12 @@ soon as their schedule ends, never waiting for a batch to drain; rows of one for
 different schedules (the timestep and the Euler step are per row).
 
 Batching invariants:
-- The running batch holds requests of one `batch_key` (the shapes one forward can stack: size, text length),
-  at most `max_num_seqs` images (a lone request with more runs alone). Waiting requests are admitted in arrival
-  order; one with another key waits for the batch to drain, and holds the ones behind it (no starvation).
+- The running batch holds requests of one group: the model's `batch_key` (the shapes one forward can stack:
+  size, text length) and the LoRA adapter and scale (one adapter state per forward), at most `max_num_seqs`
+  images (a lone request with more runs alone). With step caching (`options.cache`) the batch is a cohort:
+  requests of one step count that start together and run to the end together (see accelerate.py).
+- Waiting requests are admitted in arrival order; one of another group waits for the batch to drain, and holds
+  the ones behind it (no starvation).
 - With CFG (`cfg_scale(params)` not None) a request adds a negative branch: its rows again, with the negative
   conditioning, in the same forward, mixed by `combine` (by default neg + scale * (pos - neg)).
 - Latents are drawn as diffusers' `prepare_latents` draws them for `torch.Generator("cpu").manual_seed(seed)`:
@@ -26,19 +29,23 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from omnistage.config.deploy import StageConfig
-from omnistage.engine.diffusion.params import DiffusionParams
+from omnistage.config.deploy import StageConfig, parse_section
+from omnistage.engine.diffusion.accelerate import Accelerator
+from omnistage.engine.diffusion.lora import LoraKey, LoraManager
+from omnistage.engine.diffusion.params import DiffusionOptions, DiffusionParams
 from omnistage.engine.schedulers.flow_match import FlowMatch, Schedule
 from omnistage.errors import OmniError
 from omnistage.types import StageInput, StageOutput
 
 logger = logging.getLogger(__name__)
+LOG_PROGRESS_AFTER_S = 10.0  # requests shorter than this log nothing on their way
 
 Conditioning = dict[str, torch.Tensor]  # every tensor has one row per prompt (or per image)
 # A request's input tensors (StageInput.tensors), e.g. the images an edit model edits: "image_0", "image_1", ...
@@ -103,6 +110,10 @@ class _Job:
     schedule: Schedule
     cfg: float | None
     inputs: Inputs
+    lora: LoraKey
+    group: Hashable  # what must be equal for requests to share a forward
+    started: float = 0.0  # time.monotonic() at admission
+    logged: int = 0  # the last progress quarter logged
     latents: torch.Tensor | None = None  # [n, ...] once started
     cond: Conditioning | None = None  # [n, ...] rows
     uncond: Conditioning | None = None  # [n, ...] rows of the negative branch (CFG only)
@@ -121,10 +132,15 @@ def _rows(cond: Conditioning, start: int, end: int, repeat: int) -> Conditioning
 
 
 class DiffusionEngine:
-    def __init__(self, name: str, model: DiffusionModel, max_num_seqs: int = 8):
+    def __init__(self, name: str, model: DiffusionModel, max_num_seqs: int = 8,
+                 options: DiffusionOptions | None = None):
         self.name = name
         self.model = model
         self.max_num_seqs = max_num_seqs
+        options = options or DiffusionOptions()
+        self.accel = Accelerator(model, options, name)
+        self.lora = LoraManager(getattr(model, "transformer", None), options.lora_root,
+                                getattr(model, "pipeline_class", None), options.max_loras)
         # Optional hooks of the model: how CFG mixes the branches, how conditioning rows form a batch.
         self.combine = getattr(model, "combine", cfg_combine)
         self.collate = getattr(model, "collate", cat_conditioning)
@@ -134,9 +150,12 @@ class DiffusionEngine:
         self.num_steps = 0
 
     @classmethod
-    def from_stage(cls, name: str, model: DiffusionModel, cfg: StageConfig) -> DiffusionEngine:
-        """The engine of stage `name` as its deploy config sizes it (`max_num_seqs`: images per forward)."""
-        return cls(name, model, cfg.max_num_seqs)
+    def from_stage(cls, name: str, model: DiffusionModel, cfg: StageConfig,
+                   options_class: type[DiffusionOptions] = DiffusionOptions) -> DiffusionEngine:
+        """The engine of stage `name` as its deploy config sizes it (`max_num_seqs`: images per forward) and
+        accelerates it (`options`, validated by the family's `options_class`)."""
+        options = parse_section(options_class, cfg.options, f"stages.{name}.options")
+        return cls(name, model, cfg.max_num_seqs, options)
 
     @property
     def device(self) -> torch.device | None:
@@ -149,8 +168,10 @@ class DiffusionEngine:
             params = DiffusionParams.of(inp.params).check()
             if params.seed is None:
                 params.seed = secrets.randbits(63)
-            job = _Job(inp.request_id, params, self.model.batch_key(params), self.model.schedule(params),
-                       self.model.cfg_scale(params), dict(inp.tensors))
+            key, schedule, lora = self.model.batch_key(params), self.model.schedule(params), self.lora.key(params.lora)
+            group = (key, lora, schedule.num_steps if self.accel.cohorts else None)
+            job = _Job(inp.request_id, params, key, schedule, self.model.cfg_scale(params), dict(inp.tensors),
+                       lora, group)
         except Exception as exc:
             self.failed.append(StageOutput.failure(inp.request_id, self.name, *self._error(exc)))
             return
@@ -161,7 +182,9 @@ class DiffusionEngine:
 
     def abort(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)
-        self.running.pop(request_id, None)
+        job = self.running.pop(request_id, None)
+        if job is not None and self.running and self.accel.cohorts:  # the cohort's rows changed
+            self.accel.begin(job.schedule.num_steps - job.done)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.failed)
@@ -187,13 +210,15 @@ class DiffusionEngine:
         return outputs
 
     def _admit(self) -> list[_Job]:
+        if self.running and self.accel.cohorts:
+            return []  # a cohort runs to its end as it started
         jobs = list(self.running.values()) or list(self.waiting.values())[:1]
         if not jobs:
             return []
-        key, rows = jobs[0].key, sum(j.rows for j in self.running.values())
+        group, rows = jobs[0].group, sum(j.rows for j in self.running.values())
         admitted = []
         for job in list(self.waiting.values()):
-            if job.key != key or (rows and rows + job.rows > self.max_num_seqs):
+            if job.group != group or (rows and rows + job.rows > self.max_num_seqs):
                 break  # in arrival order: later requests do not overtake this one
             del self.waiting[job.request_id]
             admitted.append(job)
@@ -205,6 +230,9 @@ class DiffusionEngine:
         if not jobs:
             return []
         try:
+            if not self.running:  # a new batch: its adapter state and step cache
+                self.lora.activate(jobs[0].lora)
+                self.accel.begin(jobs[0].schedule.num_steps)
             prompts, owners, inputs = [], [], []
             for job in jobs:
                 branches = [job.params.prompt] + ([job.params.negative_prompt or ""] if job.cfg is not None else [])
@@ -229,6 +257,7 @@ class DiffusionEngine:
             return [StageOutput.failure(job.request_id, self.name, *error) for job in jobs]
         for job in jobs:
             job.inputs = {}  # encoded into the conditioning; not needed any more
+            job.started = time.monotonic()
         self.running.update((job.request_id, job) for job in jobs)
         return []
 
@@ -245,6 +274,7 @@ class DiffusionEngine:
             return [StageOutput.failure(job.request_id, self.name, *error) for job in jobs]
         outputs = []
         for job in jobs:
+            self._log_progress(job)
             tensors = {"progress": job.progress()}
             if job.request_id in images:
                 del self.running[job.request_id]
@@ -289,14 +319,30 @@ class DiffusionEngine:
             start += job.rows
 
     def _decode(self, jobs: list[_Job]) -> dict[str, torch.Tensor]:
-        if not jobs:
-            return {}
-        images = self.model.decode(torch.cat([job.latents for job in jobs]), jobs[0].key)
-        out, start = {}, 0
-        for job in jobs:
-            out[job.request_id] = images[start:start + job.rows]
-            start += job.rows
+        """Decode finished requests together, in groups of one VAE mode (tiling / slicing are per request and
+        change memory, not the image beyond the tiles' blending)."""
+        out = {}
+        def mode(job: _Job) -> tuple[bool, bool]:
+            return job.params.vae_use_tiling, job.params.vae_use_slicing
+
+        for tiling, slicing in sorted({mode(job) for job in jobs}):
+            group = [job for job in jobs if mode(job) == (tiling, slicing)]
+            vae = getattr(self.model, "vae", None)
+            if vae is not None and hasattr(vae, "use_tiling"):
+                vae.use_tiling, vae.use_slicing = tiling, slicing
+            images, start = self.model.decode(torch.cat([job.latents for job in group]), group[0].key), 0
+            for job in group:
+                out[job.request_id] = images[start:start + job.rows]
+                start += job.rows
         return out
+
+    def _log_progress(self, job: _Job) -> None:
+        """Generations that run long log each quarter of their steps (a server operator sees them move)."""
+        quarter = 4 * job.done // job.schedule.num_steps
+        if quarter > job.logged and time.monotonic() - job.started > LOG_PROGRESS_AFTER_S:
+            logger.info("stage %s: request %s at step %d of %d (%.1f s)", self.name, job.request_id, job.done,
+                        job.schedule.num_steps, time.monotonic() - job.started)
+        job.logged = max(job.logged, quarter)
 
     def _error(self, exc: Exception) -> tuple[str, int]:
         return f"stage {self.name!r} failed: {exc}", exc.status if isinstance(exc, OmniError) else 500

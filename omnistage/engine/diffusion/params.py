@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from omnistage.errors import RequestError
 
@@ -75,21 +75,29 @@ class DiffusionParams:
         return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
-# Acceleration a deploy config will be able to ask for; each wraps the family's DiT. None is implemented yet.
-Acceleration = Literal["cache_dit", "torch_compile", "fp8"]
-
-
 class DiffusionOptions(BaseModel):
-    """`stages.<diffusion stage>.options` of every diffusion family (a family may subclass it)."""
+    """`stages.<diffusion stage>.options` of every diffusion family (a family may subclass it). Each switch either
+    works for the family's DiT or is refused at start-up with the reason; none is ignored."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    acceleration: list[Acceleration] = Field(default_factory=list, description=(
-        "DiT accelerations to apply (cache_dit: step caching, torch_compile, fp8 weights); not supported yet"))
-
-    @field_validator("acceleration")
-    @classmethod
-    def _not_yet(cls, value: list[str]) -> list[str]:
-        if value:
-            raise ValueError(f"diffusion acceleration {', '.join(value)} is not supported yet; remove it")
-        return value
+    compile: bool = Field(False, description=(
+        "torch.compile the DiT's repeated blocks (regional compilation: one compiled block reused by every layer); "
+        "the first requests of each new shape are slow while it compiles"))
+    cache: dict[str, Any] | None = Field(None, description=(
+        "step caching through cache-dit: a DBCacheConfig as a mapping (e.g. {Fn_compute_blocks: 8, "
+        "residual_diff_threshold: 0.12}), plus an optional `taylorseer: {taylorseer_order: 1}`; {} takes "
+        "cache-dit's defaults. Cached steps reuse earlier block outputs, so images change slightly; a batch "
+        "then runs requests that started together to the end (new requests join the next batch)"))
+    quantization: Literal["fp8"] | None = Field(None, description=(
+        "fp8: the DiT's linear layers in float8 (dynamic activation scales) through torchao; needs a GPU with "
+        "FP8 units (compute capability 8.9+)"))
+    cpu_offload: bool = Field(False, description=(
+        "keep the weights in CPU memory and stream each block to the GPU when it runs: fits small GPUs, slower"))
+    attention_backend: str | None = Field(None, description=(
+        "diffusers' attention backend for the DiT (e.g. flash, _native_cudnn, sage); None: PyTorch SDPA, "
+        "which picks the fastest kernel it has for the shapes"))
+    lora_root: str | None = Field(None, description=(
+        "the directory LoRA adapters may be loaded from (a request's lora.path is resolved inside it); "
+        "None: requests that name a LoRA are refused"))
+    max_loras: int = Field(8, ge=1, description="LoRA adapters kept loaded at once (least recently used unloaded)")

@@ -29,6 +29,7 @@ class FluxOptions(DiffusionOptions):
 
 class FluxImagePipeline(ImagePipeline):
     guidance_embeds: bool = True
+    options_class = FluxOptions
 
     def resolve(self, params: DiffusionParams, images: list[Any]) -> DiffusionParams:
         params = params.with_defaults(**self.defaults)
