@@ -190,53 +190,64 @@ def run_engine(pipeline: Any, engine: DiffusionEngine, requests: list[DiffusionP
     return {"images": images, "first": first, "done": done, "total": time.perf_counter() - t0}
 
 
-def ours_side(path: Path, p: DiffusionParams, images: int, record: Any, reference: np.ndarray | None,
+def ours_side(path: Path, p: DiffusionParams, images: int, out: str | None, reference: np.ndarray | None,
               modes: list[str], concurrency: int, cache: dict[str, Any]) -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    """Each mode in a fresh process: its peak memory and compile time are its own."""
+    import multiprocessing
+
     lossless = None
     for mode in modes:
-        options = {"lossless": {"compile": True}, "eager": {}, "cache": {"compile": True, "cache": cache},
-                   "fp8": {"compile": True, "quantization": "fp8"},
-                   "fp8+cache": {"compile": True, "quantization": "fp8", "cache": cache}}[mode]
-        deploy = {"stages": {"*": {"devices": device, "max_num_seqs": concurrency, "options": options}}}
-        reset_peak()
-        try:
-            pipeline = load_pipeline(path, deploy)
-            engine = pipeline.build_engine("dit")
-        except Exception as exc:
-            record(side="omnistage", mode=mode, error=str(exc)[:300])
-            continue
-        t0 = time.perf_counter()
-        run_engine(pipeline, engine, [p])  # warm-up (and compile)
-        warm = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for _ in range(images):
-            single = run_engine(pipeline, engine, [p])
-        seconds = (time.perf_counter() - t0) / images
-        image = single["images"]["r0"]
-        row = {"side": "omnistage", "mode": mode, "s_per_image": round(seconds, 3), "first_call_s": round(warm, 1),
-               "peak_gib": round(peak_gib(), 2)}
-        if reference is not None:
-            row["max_abs_diff_vs_diffusers"] = round(float(np.abs(image - reference).max()), 4)
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            image = pool.apply(ours_mode, (path, p, images, out, reference, lossless, mode, concurrency, cache))
         if mode == "lossless":
             lossless = image
-        elif lossless is not None:
-            row["psnr_db"], row["ssim"] = (round(v, 4) for v in psnr_ssim(image, lossless))
-        record(**row)
-        if mode in ("lossless", "eager", "cache") and concurrency > 1:
-            from dataclasses import replace
 
-            batch = [replace(p, seed=p.seed + i) for i in range(concurrency)]
-            run_engine(pipeline, engine, batch)  # the batched shapes compile once
-            reset_peak()
-            wave = run_engine(pipeline, engine, batch)
-            record(side="omnistage", mode=mode, concurrency=concurrency, total_s=round(wave["total"], 3),
-                   images_per_s=round(concurrency / wave["total"], 4),
-                   first_step_s=[round(wave["first"][f"r{i}"], 2) for i in range(concurrency)],
-                   done_s=[round(wave["done"][f"r{i}"], 2) for i in range(concurrency)],
-                   peak_gib=round(peak_gib(), 2))
-        del engine, pipeline
+
+def ours_mode(path: Path, p: DiffusionParams, images: int, out: str | None, reference: np.ndarray | None,
+              lossless: np.ndarray | None, mode: str, concurrency: int, cache: dict[str, Any]) -> np.ndarray | None:
+    record = recorder(out)
+    device = "0" if torch.cuda.is_available() else "cpu"
+    options = {"lossless": {"compile": True}, "eager": {}, "cache": {"compile": True, "cache": cache},
+               "fp8": {"compile": True, "quantization": "fp8"},
+               "fp8+cache": {"compile": True, "quantization": "fp8", "cache": cache}}[mode]
+    deploy = {"stages": {"*": {"devices": device, "max_num_seqs": concurrency, "options": options}}}
+    reset_peak()
+    try:
+        pipeline = load_pipeline(path, deploy)
+        engine = pipeline.build_engine("dit")
+    except Exception as exc:
+        record(side="omnistage", mode=mode, error=str(exc)[:300])
+        return None
+    t0 = time.perf_counter()
+    run_engine(pipeline, engine, [p])  # warm-up (and compile)
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(images):
+        single = run_engine(pipeline, engine, [p])
+    seconds = (time.perf_counter() - t0) / images
+    image = single["images"]["r0"]
+    row = {"side": "omnistage", "mode": mode, "s_per_image": round(seconds, 3), "first_call_s": round(warm, 1),
+           "peak_gib": round(peak_gib(), 2)}
+    if mode != "lossless" and "cache" in options:
+        row["cache"] = cache
+    if reference is not None:
+        row["max_abs_diff_vs_diffusers"] = round(float(np.abs(image - reference).max()), 4)
+    if lossless is not None:
+        row["psnr_db"], row["ssim"] = (round(v, 4) for v in psnr_ssim(image, lossless))
+    record(**row)
+    if mode in ("lossless", "eager", "cache") and concurrency > 1:
+        from dataclasses import replace
+
+        batch = [replace(p, seed=p.seed + i) for i in range(concurrency)]
+        run_engine(pipeline, engine, batch)  # the batched shapes compile once
         reset_peak()
+        wave = run_engine(pipeline, engine, batch)
+        record(side="omnistage", mode=mode, concurrency=concurrency, total_s=round(wave["total"], 3),
+               images_per_s=round(concurrency / wave["total"], 4),
+               first_step_s=[round(wave["first"][f"r{i}"], 2) for i in range(concurrency)],
+               done_s=[round(wave["done"][f"r{i}"], 2) for i in range(concurrency)],
+               peak_gib=round(peak_gib(), 2))
+    return image
 
 
 def main() -> None:
@@ -251,6 +262,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--parts", default="diffusers,ours")
     parser.add_argument("--modes", default="lossless,cache,fp8", help="omnistage modes: eager,lossless,cache,fp8")
+    parser.add_argument("--cache-threshold", type=float, default=None,
+                        help="DBCache residual_diff_threshold (random weights change more per step than trained ones)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     record = recorder(args.out)
@@ -267,8 +280,10 @@ def main() -> None:
     if "diffusers" in args.parts:
         reference = diffusers_side(path, p, args.images, record)["compiled"]
     if "ours" in args.parts:
-        cache = {**CACHE_PRESET, "Fn_compute_blocks": 1} if args.tiny else CACHE_PRESET  # the tiny DiT has 2 blocks
-        ours_side(path, p, args.images, record, reference, args.modes.split(","), args.concurrency, cache)
+        cache = {**CACHE_PRESET, "Fn_compute_blocks": 1} if args.tiny else dict(CACHE_PRESET)  # the tiny DiT: 2 blocks
+        if args.cache_threshold is not None:
+            cache["residual_diff_threshold"] = args.cache_threshold
+        ours_side(path, p, args.images, args.out, reference, args.modes.split(","), args.concurrency, cache)
 
 
 if __name__ == "__main__":

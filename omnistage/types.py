@@ -150,6 +150,7 @@ class OmniOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     metrics: dict[str, StageMetrics] = field(default_factory=dict)
+    progress: tuple[int, int] | None = None  # (steps done, steps) of a diffusion request, on each step's delta
 
     @classmethod
     def failure(cls, request_id: str, error: str, status: int = 500) -> OmniOutput:
@@ -169,6 +170,7 @@ class OmniOutput:
             self.embedding = later.embedding
         for attr in ("finished", "finish_reason", "error", "error_status", "metrics"):
             setattr(self, attr, getattr(later, attr))
+        self.progress = later.progress or self.progress
         self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = later.num_cached_tokens or self.num_cached_tokens
         self.num_output_tokens = later.num_output_tokens or self.num_output_tokens

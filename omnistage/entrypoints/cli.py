@@ -262,8 +262,40 @@ def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out
           f"total {total * 1000:.0f} ms; wrote {audio_out}]")
 
 
-DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni")
-TINY_ARCHS = (*DEMO_ARCHS, *DIFFUSERS_LAYOUTS)  # every layout the tiny-checkpoint factory knows
+TEXT_DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni")
+DEMO_ARCHS = (*TEXT_DEMO_ARCHS, *DIFFUSERS_LAYOUTS)
+TINY_ARCHS = DEMO_ARCHS  # every layout the tiny-checkpoint factory knows
+
+
+def _image_demo(url: str, engine: Any, prompt: str, image_out: str) -> None:
+    """One image through the official client: `images.generate`, or for an edit model `images.edit` of a local
+    input image the demo draws (written next to the output); the PNG goes to `image_out`."""
+    import base64
+    import io
+
+    from openai import OpenAI
+    from PIL import Image
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="demo")
+    pipeline = engine.pipeline
+    side = pipeline.size_multiple * 4  # small: random weights draw noise at any size
+    extra = {"num_inference_steps": 4, "seed": 0}
+    start = time.perf_counter()
+    if pipeline.max_input_images:
+        source = Image.new("RGB", (side, side))
+        source.putdata([(x * 255 // side, y * 255 // side, 128) for y in range(side) for x in range(side)])
+        input_path = str(Path(image_out).with_name(Path(image_out).stem + "-input.png"))
+        source.save(input_path)
+        buffer = io.BytesIO()
+        source.save(buffer, format="PNG")
+        print(f"input image: {input_path}")
+        out = client.images.edit(model=engine.served_model_name, image=("input.png", buffer.getvalue(), "image/png"),
+                                 prompt=prompt, size=f"{side}x{side}", extra_body=extra)
+    else:
+        out = client.images.generate(model=engine.served_model_name, prompt=prompt, size=f"{side}x{side}",
+                                     extra_body=extra)
+    Path(image_out).write_bytes(base64.b64decode(out.data[0].b64_json))
+    print(f"[{side}x{side} image in {(time.perf_counter() - start) * 1000:.0f} ms; wrote {image_out}]")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -273,6 +305,9 @@ def _demo(args: argparse.Namespace) -> int:
     from omnistage.entrypoints.openai.server import BackgroundServer
     from omnistage.testing import tiny_checkpoint
 
+    image = args.arch in DIFFUSERS_LAYOUTS
+    if image and args.ui:
+        return _fail(ConfigError("--ui serves chat models; image archs run the images API demo (leave out --ui)"))
     t_load = time.perf_counter()
     # a random-weight talker rarely says its end code: the page sends no sampling_params_list to stop it sooner
     deploy = {"stages": {"talker": {"default_sampling_params": {"max_tokens": 150}}}} if args.ui else None
@@ -282,7 +317,7 @@ def _demo(args: argparse.Namespace) -> int:
         return _fail(exc)
     load_s = time.perf_counter() - t_load
     print(f"loaded tiny {args.arch} checkpoint from {engine.pipeline.model_path} in {load_s:.1f}s (random weights, "
-          "so the answer is gibberish)")
+          f"so the {'image is noise' if image else 'answer is gibberish'})")
     if args.ui:
         from omnistage.entrypoints.openai.ui import serve_ui_demo
 
@@ -295,7 +330,9 @@ def _demo(args: argparse.Namespace) -> int:
         with BackgroundServer(engine, port=args.port) as server:
             _wait_healthy(server.url)
             print(f"server up at {server.url}\n> {args.prompt}")
-            if "audio" in engine.output_modalities:
+            if image:
+                _image_demo(server.url, engine, args.prompt, args.image_out)
+            elif "audio" in engine.output_modalities:
                 _stream_speech(server.url, engine.served_model_name, args.prompt, args.max_tokens, args.audio_out,
                                engine.pipeline.audio_sample_rate)
             else:
@@ -386,9 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", default="qwen2", choices=TINY_ARCHS)
     tiny.set_defaults(func=_make_tiny)
 
-    demo = sub.add_parser("demo", help="serve a tiny model and chat with it through the OpenAI client")
+    demo = sub.add_parser("demo", help="serve a tiny model and chat with it (or draw with it) through the OpenAI "
+                          "client")
     demo.add_argument("--arch", default="qwen2", choices=DEMO_ARCHS,
-                      help="qwen2_5_omni: text and speech out (needs the `omni` extra)")
+                      help="qwen2_5_omni: text and speech out (needs the `omni` extra); flux-dev, qwen-image, "
+                      "qwen-image-edit, z-image-turbo, ...: an image through the images API (needs diffusers)")
+    demo.add_argument("--image-out", default="omnistage-demo.png", help="image archs: where the image goes")
     demo.add_argument("--audio-out", default="omnistage-demo.wav", help="qwen2_5_omni: where the speech goes")
     demo.add_argument("--port", type=int, default=0, help="0: any free port")
     demo.add_argument("--prompt", default="Tell me about the river in the old town.")

@@ -97,9 +97,12 @@ class ImagePipeline(Pipeline):
         return DiffusionEngine.from_stage(stage, model, cfg, self.options_class)
 
     def to_output(self, stage: str, out: StageOutput) -> OmniOutput:
-        """Progress as `num_output_tokens` (steps done); the images, on the last delta, as PIL images."""
+        """Progress as `progress` (steps done, steps) and `num_output_tokens` (steps done); the images, on the last
+        delta, as PIL images."""
         from PIL import Image
 
         images = out.tensors.get("images")
         pil = [] if images is None else [Image.fromarray(a) for a in (images * 255).round().to(torch.uint8).numpy()]
-        return OmniOutput(out.request_id, images=pil, num_output_tokens=out.num_output_tokens)
+        progress = out.tensors.get("progress")
+        steps = None if progress is None else (int(progress[-1, 0]), int(progress[-1, 1]))
+        return OmniOutput(out.request_id, images=pil, num_output_tokens=out.num_output_tokens, progress=steps)

@@ -128,7 +128,7 @@ def test_step_cache_stays_within_bound_and_batches_in_cohorts(path: Path) -> Non
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CPU compile of the DiT takes a minute")
 def test_compiled_blocks_give_the_same_image(path: Path) -> None:
-    deploy = {"worker_backend": "inline", "stages": {"*": {"dtype": "float32", "devices": "cuda"}}}
+    deploy = {"worker_backend": "inline", "stages": {"*": {"dtype": "float32", "devices": "0"}}}
     pipeline = load_pipeline(path, deploy)
     eager = run(pipeline, pipeline.build_engine("dit"), {"a": BASE})[0]["a"]
     compiled_pipeline = load_pipeline(path, {**deploy, "stages": {"*": {**deploy["stages"]["*"],

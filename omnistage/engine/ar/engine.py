@@ -15,7 +15,7 @@ from omnistage.engine.ar.detokenizer import IncrementalDetokenizer
 from omnistage.engine.ar.grammar import Grammars
 from omnistage.engine.ar.memory import plan_num_blocks
 from omnistage.engine.ar.model import ARModel
-from omnistage.engine.ar.model_runner import DecodeLaunch, ModelRunner
+from omnistage.engine.ar.model_runner import DecodeLaunch, ModelRunner, StepResult
 from omnistage.engine.ar.sampler import ROW_FAILED, Sampler, SampleRow, SamplingColumns, StaticDraw, TokenHistory
 from omnistage.engine.ar.scheduler import Scheduler
 from omnistage.engine.ar.sequence import SeqStatus, Sequence
@@ -111,6 +111,7 @@ class AREngine:
         if not config.enable_chunked_prefill:
             max_batched = max(max_batched, config.max_model_len)
         self._hidden_layers = tuple(sorted(set(config.hidden_state_layers.values())))
+        self._after_sample = getattr(model, "after_sample", None)  # see ARModel: its steps all take the host path
         self.runner = ModelRunner(
             model, config.block_size, config.max_num_seqs, config.max_model_len, config.enforce_eager,
             graph_layers=self._hidden_layers, burst_steps=config.decode_burst,
@@ -199,6 +200,8 @@ class AREngine:
         if inp.embed_adds is not None or inp.embed_add_default is not None:
             seq.embed_adds = []  # its prompt is whole; `final` speaks of the added rows
             seq.input_final = True
+        if self._after_sample is not None:
+            seq.step_adds, seq.tensors = [], inp.tensors
         self._take_input(seq, inp, 0)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.generator_seed)
@@ -330,6 +333,7 @@ class AREngine:
         sampled = dict(zip(result.sample_rows, self._sample_each(sampling, result.logits, result.argmax),
                            strict=True))
         outputs = []
+        extras = self._run_after_sample(batch, result, sampled) if self._after_sample is not None else {}
         for i, (seq, n) in enumerate(batch):
             if sampled.get(i, ()) is None:
                 outputs.append(self._fail(seq))
@@ -345,11 +349,48 @@ class AREngine:
                     self._collect_hidden(seq, out, result.hidden, span, seq.num_computed - (span[1] - span[0]))
                 if i in sampled:
                     self._append_token(seq, out, *sampled[i])
+                if i in extras:
+                    self._take_extras(seq, out, *extras[i])
                 self._emit(seq, out, outputs)
             except Exception:  # its own bookkeeping (stop checks, text, output): it alone fails
                 logger.exception("stage %s: request %r failed", self.name, seq.request_id)
                 outputs.append(self._fail(seq))
         return outputs
+
+    def _run_after_sample(self, batch: list[tuple[Sequence, int]], result: StepResult, sampled: dict[int, Any]
+                          ) -> dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """The model's `after_sample` over the step's sampled rows: batch index -> (next add [1, hidden], host
+        outputs). If it raises, those rows' requests fail (their `sampled` entries become None)."""
+        rows = [i for i in result.sample_rows if sampled.get(i) is not None and batch[i][0].pooling is None]
+        if not rows:
+            return {}
+        where = {i: j for j, i in enumerate(result.sample_rows)}
+        try:
+            picks = self._tensor([where[i] for i in rows])
+            tokens = self._tensor([sampled[i][0] for i in rows])
+            seqs = [batch[i][0] for i in rows]
+            extra = self._after_sample(result.last_hidden.index_select(0, picks), tokens, [s.tensors for s in seqs],
+                                       [s.generator for s in seqs])
+            host = {name: value.cpu() for name, value in extra.outputs.items()}
+        except Exception:
+            logger.exception("stage %s: the model's after_sample failed", self.name)
+            for i in rows:
+                sampled[i] = None
+            return {}
+        return {i: (extra.next_adds[j : j + 1], {n: v[j : j + 1] for n, v in host.items()})
+                for j, i in enumerate(rows)}
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)
+
+    @staticmethod
+    def _take_extras(seq: Sequence, out: StageOutput, next_add: torch.Tensor, tensors: dict[str, torch.Tensor]
+                     ) -> None:
+        """A sampled token's `after_sample` rows: its position's addition, and its outputs unless it stopped
+        the request (a stop token's outputs describe nothing emitted: a talker's EOS frame is no audio)."""
+        seq.step_adds.append(next_add)
+        if out.finish_reason != "stop":
+            out.tensors.update(tensors)
 
     def _sample_each(self, seqs: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None
                      ) -> list[tuple[int, Any] | None]:
@@ -394,6 +435,7 @@ class AREngine:
         params, pos = seq.params, seq.num_computed
         return (
             seq.input_final
+            and self._after_sample is None  # its hook reads each step's tokens before the next step is packed
             and params.logprobs is None
             and (params.plain_greedy or self.config.overlap_sampled)
             and seq.num_output_tokens >= params.min_tokens

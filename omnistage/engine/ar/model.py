@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata, KVSpec
+
+
+@dataclass
+class SampleExtras:
+    """What a model's `after_sample` hook adds to a step, one row per sampled sequence (see ARModel)."""
+
+    next_adds: torch.Tensor  # [n, hidden]: added to the input embedding of the row's sampled token's position
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [n, ...]: emitted with the token
 
 
 class ARModel(Protocol):
@@ -41,3 +50,17 @@ class ARModel(Protocol):
     # Optional: `prepare_input(inp: StageInput, first: bool) -> StageInput` completes a request's input
     # (or a later chunk of it) before the engine takes it: media encoders, rotary positions, embeddings
     # composed from the model's own tables. It runs on the stage's worker.
+    # Optional: `after_sample(hidden [n, hidden], tokens [n], inputs: list[dict[str, Tensor]], generators:
+    # list[Generator | None]) -> SampleExtras`: a model whose step does more than one token (a talker's code
+    # predictor: the frame's other codebooks) runs that here, batched over the step's sampled rows, after the engine
+    # sampled their tokens. `hidden` are the final hidden states that produced the logits, `tokens` the sampled ids
+    # (on the device), `inputs` each row's request tensors (`StageInput.tensors` after `prepare_input`),
+    # `generators` each row's own noise source (a seeded request's; None: any), which the hook's draws continue, so
+    # a seeded request's outputs do not depend on its batch. Contract, kept by the engine:
+    # - `next_adds[i]` is added (on top of the token embedding and any `embed_adds` row) to the input embedding of
+    #   the position holding `tokens[i]`, whenever it is computed: the next step, or again after a preemption;
+    # - `outputs[name][i : i + 1]` goes to that step's `StageOutput.tensors[name]` (on the host; a request's
+    #   outputs concatenate along dim 0), except with a token that stops the request (EOS / stop id): what the
+    #   hook computed for a stop token is dropped with it;
+    # - every step of such a model samples on the host path (no overlapped steps, bursts or CUDA graphs yet), so
+    #   the hook sees each step's tokens before the next step is packed.

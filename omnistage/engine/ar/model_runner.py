@@ -39,6 +39,7 @@ class StepResult:
     hidden: dict[int, torch.Tensor]  # layer -> [T, hidden] for the whole packed step
     row_spans: list[tuple[int, int]]  # each sequence's rows in the packed step
     argmax: torch.Tensor | None = None  # argmax of `logits`, when the step computed it on the way
+    last_hidden: torch.Tensor | None = None  # [len(sample_rows), hidden]: the states `logits` came from (eager steps)
 
 
 @dataclass
@@ -92,7 +93,8 @@ class ModelRunner:
         self.use_triton = self.device.type == "cuda"
         # Graph-safe models on CUDA step through StepGraphs, captured or (enforce_eager) run eagerly on the same
         # static buffers and padded shapes: the two give the same tokens.
-        self.use_graphs = self.use_triton and getattr(model, "graph_safe", False)
+        # A model with an `after_sample` hook reads each step's final hidden states, which graph replays do not keep.
+        self.use_graphs = self.use_triton and getattr(model, "graph_safe", False) and not hasattr(model, "after_sample")
         self.kv_cache: PagedKVCache | None = None
         self.pad_slot = 0
         self.graph_layers = graph_layers
@@ -265,8 +267,9 @@ class ModelRunner:
         token_ids = self._tensor(p.ids)
         embeds = self._input_embeds(p, token_ids)
         hidden, layers = self.model.forward(token_ids, self._rope(p), self._metadata(p), embeds, output_layers)
-        logits = self.model.compute_logits(hidden[self._tensor(p.last_rows)]) if p.last_rows else None
-        return StepResult(p.sample_rows, logits, layers, p.row_spans)
+        last = hidden[self._tensor(p.last_rows)] if p.last_rows else None
+        logits = self.model.compute_logits(last) if last is not None else None
+        return StepResult(p.sample_rows, logits, layers, p.row_spans, last_hidden=last)
 
     def _graph_fits(self, p: _Packed, num_seqs: int) -> bool:
         """A step a captured graph can run: one token per sequence, no replaced embeddings or explicit

@@ -41,6 +41,10 @@ class Sequence:
     embed_adds: list[torch.Tensor | tuple[torch.Tensor, ...]] | None = None
     embed_add_default: torch.Tensor | None = None
     adds_final: bool = True  # no more `embed_adds` rows will arrive
+    # a model with `after_sample` (ARModel): row i is added to output token i's position; with `tensors`, the
+    # request's input tensors that hook reads
+    step_adds: list[torch.Tensor] | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     num_prompt_tokens: int = 0
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served from the prefix cache on first schedule
@@ -83,13 +87,22 @@ class Sequence:
     @property
     def cacheable(self) -> bool:
         """Whether its K/V depend on the token ids alone (so blocks may be shared by prefix)."""
-        return not self.embeds and self.rope_positions is None and not self.rope_delta and self.embed_adds is None
+        return (not self.embeds and self.rope_positions is None and not self.rope_delta and self.embed_adds is None
+                and self.step_adds is None)
 
     def embed_add(self, pos: int) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
-        if self.embed_adds is None or pos < self.num_prompt_tokens:
+        """What is added to a generated position's input embedding: its `embed_adds` row (or the default) and its
+        `step_adds` row, as a tuple of parts when both are there."""
+        if pos < self.num_prompt_tokens:
             return None
         i = pos - self.num_prompt_tokens
-        return self.embed_adds[i] if i < len(self.embed_adds) else self.embed_add_default
+        add = None
+        if self.embed_adds is not None:
+            add = self.embed_adds[i] if i < len(self.embed_adds) else self.embed_add_default
+        if self.step_adds is not None and i < len(self.step_adds):
+            step = self.step_adds[i]
+            add = step if add is None else (*(add if isinstance(add, tuple) else (add,)), step)
+        return add
 
     def rope_position(self, pos: int) -> int | torch.Tensor:
         if self.rope_positions is not None and pos < self.rope_positions.shape[1]:

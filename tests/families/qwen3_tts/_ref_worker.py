@@ -43,7 +43,30 @@ def decode(req: dict) -> dict:
     return {"ok": True, "upsample": int(model.decoder.total_upsample)}
 
 
+def generate(req: dict) -> dict:
+    # CustomVoice / VoiceDesign generation through the package's own loader and prompt construction, one request at
+    # a time
+    # (the package left-pads a batch); returns each request's frames [T, Q] (the eos frame excluded).
+    from qwen_tts import Qwen3TTSModel
+
+    tts = Qwen3TTSModel.from_pretrained(req["dir"], dtype=torch.float32, attn_implementation=req.get("attn", "sdpa"))
+    out = {}
+    for i, item in enumerate(req["items"]):
+        ids = tts._tokenize_texts([tts._build_assistant_text(item["text"])])
+        kwargs = tts._merge_generate_kwargs(**req["params"])
+        instruct = tts._tokenize_texts([tts._build_instruct_text(item["instruct"])]) if item.get("instruct") \
+            else [None]
+        codes, _ = tts.model.generate(input_ids=ids, instruct_ids=instruct, languages=[item.get("language", "Auto")],
+                                      speakers=[item.get("speaker")], non_streaming_mode=True, **kwargs)
+        np.save(f"{req['out']}/codes{i}.npy", codes[0].numpy())
+        out[str(i)] = [int(t) for t in ids[0][0]]
+        if instruct[0] is not None:
+            out[f"{i}-instruct"] = [int(t) for t in instruct[0][0]]
+    return {"ok": True, "input_ids": out}
+
+
 if __name__ == "__main__":
     request = json.loads(open(sys.argv[1]).read())
-    reply = {"make_speech_tokenizer": make_speech_tokenizer, "decode": decode}[request["op"]](request)
+    ops = {"make_speech_tokenizer": make_speech_tokenizer, "decode": decode, "generate": generate}
+    reply = ops[request["op"]](request)
     open(sys.argv[2], "w").write(json.dumps(reply))

@@ -51,3 +51,13 @@ def decode(speech_tokenizer_dir: Path, codes: np.ndarray, one_shot: bool = True)
         np.save(c, codes.astype(np.int64))
         call("decode", dir=str(speech_tokenizer_dir), codes=str(c), wav=str(w), one_shot=one_shot)
         return np.load(w)
+
+
+def generate(checkpoint: Path, items: list[dict], **params: Any) -> tuple[list[np.ndarray], list[list[int]]]:
+    """The package's codes per item ({"text", "speaker"?, "instruct"?, "language"?}), each generated alone in
+    non-streaming text mode: frames [T, Q] (eos excluded), and the text ids it tokenized. `params`: generate kwargs
+    (do_sample, max_new_tokens ...)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        reply = call("generate", dir=str(checkpoint), items=items, params=params, out=tmp)
+        codes = [np.load(Path(tmp, f"codes{i}.npy")) for i in range(len(items))]
+    return codes, [reply["input_ids"][str(i)] for i in range(len(items))]
