@@ -18,7 +18,7 @@ import yaml
 
 from omnistage import envs
 from omnistage.errors import ConfigError, OmniError
-from omnistage.testing.factory import DIFFUSERS_LAYOUTS
+from omnistage.testing.layouts import DIFFUSERS_LAYOUTS
 
 EXIT_USAGE = 2
 # omnistage.testing.factory's (a test keeps them equal); not imported from there, as that pulls in torch and

@@ -22,11 +22,12 @@ def _families() -> list[Family]:
     from omnistage.families.causal_lm import CausalLMFamily
     from omnistage.families.flux import FluxFamily
     from omnistage.families.qwen2_5_omni import Qwen25OmniFamily
+    from omnistage.families.qwen3_tts import Qwen3TTSFamily
     from omnistage.families.qwen_image import QwenImageFamily
     from omnistage.families.z_image import ZImageFamily
 
-    return [*_extra_families, *_plugin_families(), Qwen25OmniFamily(), FluxFamily(), QwenImageFamily(),
-            ZImageFamily(), CausalLMFamily()]
+    return [*_extra_families, *_plugin_families(), Qwen25OmniFamily(), Qwen3TTSFamily(), FluxFamily(),
+            QwenImageFamily(), ZImageFamily(), CausalLMFamily()]
 
 
 _extra_families: list[Family] = []

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from omnistage import envs
+from omnistage.testing.layouts import DIFFUSERS_LAYOUTS
 
 # Bump whenever the produced files change, so stale cached checkpoints are not reused.
 FACTORY_VERSION = 2
@@ -159,19 +160,6 @@ def make_tiny_causal_lm(
     )
     model.save_pretrained(out)
     return out
-
-
-# Tiny checkpoints in diffusers' pipeline layouts: arch -> (module under omnistage.testing, variant). Each module
-# has `FACTORY_VERSION` and `make_tiny(out_dir, variant, seed)`.
-DIFFUSERS_LAYOUTS: dict[str, tuple[str, str]] = {
-    "flux-dev": ("flux", "dev"),
-    "flux-schnell": ("flux", "schnell"),
-    "qwen-image": ("qwen_image", "t2i"),
-    "qwen-image-edit": ("qwen_image", "edit"),
-    "qwen-image-edit-plus": ("qwen_image", "edit-plus"),
-    "z-image": ("z_image", "base"),
-    "z-image-turbo": ("z_image", "turbo"),
-}
 
 
 def make_tiny_diffusers(arch: str, out_dir: str | Path, seed: int = 0) -> Path:

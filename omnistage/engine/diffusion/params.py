@@ -28,7 +28,7 @@ class DiffusionParams:
     height: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    true_cfg_scale: float = 1.0
+    true_cfg_scale: float | None = None  # None: the family's default (1.0, no true CFG, if it has none)
     n: int = 1
     seed: int | None = None
     max_sequence_length: int | None = None
@@ -47,13 +47,15 @@ class DiffusionParams:
         return value if isinstance(value, DiffusionParams) else cls(**value)
 
     def check(self) -> DiffusionParams:
-        """Range checks that need no model (RequestError names the field)."""
+        """Range checks that need no model (RequestError names the field); an unset true_cfg_scale becomes 1."""
         for name in ("width", "height", "num_inference_steps", "max_sequence_length"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise RequestError(f"{name} must be a positive integer (got {value!r})", name)
         if not isinstance(self.n, int) or self.n < 1:
             raise RequestError(f"n must be a positive integer (got {self.n!r})", "n")
+        if self.true_cfg_scale is None:  # still unset once the family's defaults are in: no true CFG
+            self.true_cfg_scale = 1.0
         if self.true_cfg_scale < 0 or (self.guidance_scale is not None and self.guidance_scale < 0):
             raise RequestError("guidance scales must not be negative", "guidance_scale")
         if self.seed is not None and not 0 <= self.seed < 2**63:

@@ -1,0 +1,13 @@
+"""The tiny-checkpoint layouts the factory knows, importable without torch (the CLI lists them in --help)."""
+
+# Tiny checkpoints in diffusers' pipeline layouts: arch -> (module under omnistage.testing, variant). Each module
+# has `FACTORY_VERSION` and `make_tiny(out_dir, variant, seed)`.
+DIFFUSERS_LAYOUTS: dict[str, tuple[str, str]] = {
+    "flux-dev": ("flux", "dev"),
+    "flux-schnell": ("flux", "schnell"),
+    "qwen-image": ("qwen_image", "t2i"),
+    "qwen-image-edit": ("qwen_image", "edit"),
+    "qwen-image-edit-plus": ("qwen_image", "edit-plus"),
+    "z-image": ("z_image", "base"),
+    "z-image-turbo": ("z_image", "turbo"),
+}
