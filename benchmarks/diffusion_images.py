@@ -58,8 +58,12 @@ FULL_SIZE: dict[str, dict[str, dict[str, Any]]] = {
         "transformer": {"in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
                         "num_attention_heads": 24, "joint_attention_dim": 3584, "axes_dims_rope": [16, 56, 56]},
         "vae": {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
-                "attn_scales": [], "temperal_downsample": [False, True, True]},
-        "text_encoder": {"text_config": _QWEN25_VL_7B_TEXT}},
+                "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16},
+        # Qwen2.5-VL-7B's width, 4 of its 28 layers: the full encoder does not fit the GPU machine's disk beside
+        # the 20B DiT, and encoding one prompt is a small part of an image's time.
+        "text_encoder": {"text_config": {**_QWEN25_VL_7B_TEXT, "num_hidden_layers": 4, "layer_types": ["full_attention"] * 4, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}},
+            "vision_config": {"out_hidden_size": 3584}}},
     "z-image-turbo": {
         "transformer": {"in_channels": 16, "dim": 3840, "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30,
                         "n_kv_heads": 30, "cap_feat_dim": 2560},

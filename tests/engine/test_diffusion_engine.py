@@ -85,7 +85,8 @@ class Toy:
         return noise
 
     def cfg_scale(self, p: DiffusionParams) -> float | None:
-        return p.true_cfg_scale if p.true_cfg_scale > 1 and p.negative_prompt is not None else None
+        scale = p.true_cfg_scale or 1.0  # unresolved params: no true CFG unless asked for
+        return scale if scale > 1 and p.negative_prompt is not None else None
 
     def encode(self, prompts: list[str], params: list[DiffusionParams], inputs: list[dict]) -> dict[str, torch.Tensor]:
         self.encoded.append(list(prompts))
