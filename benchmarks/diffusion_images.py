@@ -61,7 +61,8 @@ FULL_SIZE: dict[str, dict[str, dict[str, Any]]] = {
                 "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16},
         # Qwen2.5-VL-7B's width, 4 of its 28 layers: the full encoder does not fit the GPU machine's disk beside
         # the 20B DiT, and encoding one prompt is a small part of an image's time.
-        "text_encoder": {"text_config": {**_QWEN25_VL_7B_TEXT, "num_hidden_layers": 4, "layer_types": ["full_attention"] * 4, "rope_parameters": {
+        "text_encoder": {"text_config": {
+            **_QWEN25_VL_7B_TEXT, "num_hidden_layers": 4, "layer_types": ["full_attention"] * 4, "rope_parameters": {
             "rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}},
             "vision_config": {"out_hidden_size": 3584}}},
     "z-image-turbo": {

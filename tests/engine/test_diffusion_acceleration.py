@@ -23,6 +23,18 @@ BASE = DiffusionParams(prompt="a photo of a cat", width=32, height=32, num_infer
 CACHE_ATOL = 0.05  # images in [0, 1]: a cached step reuses the residual of a step whose input differed little
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _keep_logging_as_it_was():
+    """Importing cache-dit replaces `logging.Logger.warning_once` for the whole process; later tests rely on
+    transformers' own (an lru_cache they can clear)."""
+    import logging
+
+    saved = getattr(logging.Logger, "warning_once", None)
+    yield
+    if saved is not None:
+        logging.Logger.warning_once = saved
+
+
 @pytest.fixture(scope="module")
 def path() -> Path:
     return tiny_flux("dev")

@@ -54,7 +54,7 @@ def engine(pipeline: FluxImagePipeline) -> DiffusionEngine:
 
 def diffusers_images(ref: FluxPipeline, p: DiffusionParams) -> np.ndarray:
     kwargs = {} if p.guidance_scale is None else {"guidance_scale": p.guidance_scale}
-    return ref(p.prompt, negative_prompt=p.negative_prompt, true_cfg_scale=p.true_cfg_scale, width=p.width,
+    return ref(p.prompt, negative_prompt=p.negative_prompt, true_cfg_scale=p.true_cfg_scale or 1.0, width=p.width,
                height=p.height, num_inference_steps=p.num_inference_steps, num_images_per_prompt=p.n,
                generator=torch.Generator("cpu").manual_seed(p.seed), max_sequence_length=p.max_sequence_length,
                output_type="np", **kwargs).images
@@ -172,5 +172,5 @@ def test_family_detection_defaults_and_checks(path, variant, pipeline) -> None:
         with pytest.raises(RequestError) as info:
             pipeline.preprocess(OmniRequest("r", prompt="x", output_modalities=("image",), options={"diffusion": bad}))
         assert info.value.param == field
-    with pytest.raises(ConfigError, match="stages.dit.options.acceleration.*not supported yet"):
+    with pytest.raises(ConfigError, match="stages.dit.options.acceleration: unknown field"):
         load_pipeline(path, {"stages": {"dit": {"options": {"acceleration": ["torch_compile"]}}}})

@@ -77,6 +77,11 @@ def test_internal_tuning_has_family_defaults_outside_the_yaml() -> None:
     assert Token2WavOptions.model_fields["vocoder_dtype"].annotation.__args__ == models.VOCODER_DTYPES
 
 
+def forget_warnings() -> None:
+    """transformers' `Logger.warning_once` is an lru_cache unless a library imported earlier replaced it."""
+    getattr(logging.Logger.warning_once, "cache_clear", lambda: None)()
+
+
 def test_its_pipeline_loads_without_false_vocabulary_warnings(tiny_qwen2_5_omni: str) -> None:
     """transformers flags the thinker's token ids that the talker's config carries as outside the talker's (codec)
     vocabulary, for every Qwen2.5-Omni checkpoint; building the pipeline drops those warnings, and only them."""
@@ -92,21 +97,24 @@ def test_its_pipeline_loads_without_false_vocabulary_warnings(tiny_qwen2_5_omni:
 
     seen, config_logger = Seen(), logging.getLogger("transformers.configuration_utils")
     config_logger.addHandler(seen)
+    level = config_logger.level
+    config_logger.setLevel(logging.WARNING)  # libraries imported by earlier tests may have quietened it
     try:
-        logging.Logger.warning_once.cache_clear()  # transformers says each warning once a process
+        forget_warnings()  # transformers says each warning once a process
         build_pipeline(tiny_qwen2_5_omni)
         assert not [m for m in seen.messages if "within the vocabulary" in m]
-        logging.Logger.warning_once.cache_clear()
+        forget_warnings()
         Qwen2_5OmniConfig.from_pretrained(tiny_qwen2_5_omni)  # the same load outside the pipeline: flagged
         assert any("tts_text_pad_token_id" in m and "within the vocabulary" in m for m in seen.messages)
         seen.messages.clear()
-        logging.Logger.warning_once.cache_clear()
+        forget_warnings()
         with models.thinker_ids_unflagged():  # any other id out of its vocabulary is still reported
             Qwen2_5OmniConfig.from_pretrained(tiny_qwen2_5_omni, talker_config={"pad_token_id": 10**6})
         flagged = [m for m in seen.messages if "within the vocabulary" in m]
         assert flagged and all(m.startswith("Model config: pad_token_id") for m in flagged)
     finally:
         config_logger.removeHandler(seen)
+        config_logger.setLevel(level)
 
 
 def test_a_users_options_replace_the_defaults_they_name(tiny_qwen2_5_omni: str) -> None:

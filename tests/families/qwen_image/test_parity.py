@@ -74,7 +74,8 @@ def diffusers_images(ref: DiffusionPipeline, p: DiffusionParams, images: list[Im
         kwargs["image"] = images[0] if type(ref).__name__ == "QwenImageEditPipeline" else images
     if p.max_sequence_length is not None:
         kwargs["max_sequence_length"] = p.max_sequence_length
-    return ref(prompt=p.prompt, negative_prompt=p.negative_prompt, true_cfg_scale=p.true_cfg_scale, width=p.width,
+    return ref(prompt=p.prompt, negative_prompt=p.negative_prompt, true_cfg_scale=p.true_cfg_scale or 1.0,
+               width=p.width,
                height=p.height, num_inference_steps=p.num_inference_steps, num_images_per_prompt=p.n,
                generator=torch.Generator("cpu").manual_seed(p.seed), output_type="np", **kwargs).images
 
