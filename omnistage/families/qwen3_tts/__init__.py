@@ -14,64 +14,21 @@ import json
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from omnistage.config.deploy import Advanced, DeployConfig, parse_section
 from omnistage.devices import resolve_device
 from omnistage.engine.ar.engine import ARAdvanced, AREngine
-from omnistage.engine.generation.engine import GenerationEngine, Results
+from omnistage.engine.generation.engine import GenerationEngine
 from omnistage.errors import RequestError
 from omnistage.families.base import CheckpointInfo, Edge, Pipeline, StageSpec
 from omnistage.families.causal_lm import ar_engine
 from omnistage.families.qwen3_tts import talker as talker_mod
-from omnistage.families.qwen3_tts.codec import CodecDecoder, load_codec_decoder
+from omnistage.families.qwen3_tts.codec import CodecOptions, CodecStage, load_codec_decoder
 from omnistage.sampling_params import SamplingParams
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
 SAMPLE_RATE = 24000
 _SUBTALKER = ("subtalker_dosample", "subtalker_temperature", "subtalker_top_k", "subtalker_top_p")
-
-
-class CodecOptions(BaseModel):
-    """`stages.codec.options`: how audio is cut into chunks while frames still arrive."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    window: int = Field(0, ge=0, description="frames (12.5 a second) per streamed audio chunk; 0 decodes the whole "
-                        "utterance at the end")
-    left_context: int = Field(25, ge=0, description="earlier frames decoded again with each window (the authors' "
-                              "streaming decode uses 25: an approximation, see docs/families/qwen3_tts.md)")
-
-
-class CodecStage:
-    """The generation engine's model for the codec stage: a request's frames ([T, Q] in `tensors["codes"]`, grown
-    by chunks) decode in windows of `window` frames with `left_context` frames before each, or whole at the end;
-    its progress (frames decoded) is `params["done"]`."""
-
-    def __init__(self, decoder: CodecDecoder, device: torch.device, window: int, left_context: int) -> None:
-        self.decoder, self.device = decoder, device
-        self.window, self.left_context = window, left_context
-
-    @staticmethod
-    def _frames(inp: StageInput) -> int:
-        codes = inp.tensors.get("codes")
-        return 0 if codes is None else codes.shape[0]
-
-    def ready(self, inp: StageInput) -> bool:
-        return inp.final or (self.window > 0 and self._frames(inp) - inp.params["done"] >= self.window)
-
-    def generate(self, inputs: list[StageInput]) -> Results:
-        results: Results = []
-        for inp in inputs:  # windows of different lengths and contexts: one decode each
-            n, done = self._frames(inp), inp.params["done"]
-            end = n if inp.final else done + (n - done) // self.window * self.window
-            audio = torch.zeros(0)
-            if end > done:
-                codes = inp.tensors["codes"][:end].T[None].to(self.device)  # [1, Q, end]
-                audio = self.decoder.decode_window(codes, done, self.left_context)[0].float().cpu()
-            inp.params["done"] = end
-            results.append(({"audio": audio}, inp.final and end == n))
-        return results
 
 
 class Qwen3TTSPipeline(Pipeline):
@@ -155,7 +112,8 @@ def talker_to_codec(request: OmniRequest, out: StageOutput) -> StageInput | None
     if codes is None and not out.finished:
         return None
     tensors = {} if codes is None else {"codes": codes}
-    params = None if request.pipeline_state.get(HANDOFF) else {"done": 0}
+    params = None if request.pipeline_state.get(HANDOFF) else \
+        {"done": 0, "stream": bool(request.options.get("stream_audio"))}
     request.pipeline_state[HANDOFF] = True
     return StageInput(out.request_id, [], params=params, tensors=tensors, final=out.finished)
 
@@ -167,12 +125,13 @@ class Qwen3TTSFamily:
         return (info.config or {}).get("model_type") == "qwen3_tts"
 
     def default_deploy(self, info: CheckpointInfo) -> dict[str, Any]:
-        """The talker samples as the checkpoint's generation config says."""
+        """The talker samples as the checkpoint's generation config says; frames reach the codec as they are made
+        (async_chunk), which decodes them in windows for a streaming client and whole at the end otherwise."""
         g = _generation(info)
         params = {"temperature": g.get("temperature", 0.9) if g.get("do_sample", True) else 0.0,
                   "top_k": g.get("top_k", 50), "top_p": g.get("top_p", 1.0),
                   "repetition_penalty": g.get("repetition_penalty", 1.05), "max_tokens": g.get("max_new_tokens", 2048)}
-        return {"stages": {"talker": {"default_sampling_params": params}}}
+        return {"async_chunk": True, "stages": {"talker": {"default_sampling_params": params}}}
 
     def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> Qwen3TTSPipeline:
         from transformers import AutoTokenizer
@@ -184,8 +143,7 @@ class Qwen3TTSFamily:
         deploy.check_stages({"talker": ARAdvanced, "codec": Advanced}, options={"codec": CodecOptions})
         stages = [StageSpec("talker", "ar"), StageSpec("codec", "generation", ("audio",))]
         pipeline = Qwen3TTSPipeline(info.path, deploy, stages)
-        pipeline.edges = [Edge("talker", "codec", talker_to_codec,
-                               streamed=bool(deploy.stage("codec").options.get("window")))]
+        pipeline.edges = [Edge("talker", "codec", talker_to_codec, streamed=True)]
         pipeline.config, pipeline.generation = config, _generation(info)
         pipeline.tokenizer = AutoTokenizer.from_pretrained(info.path)
         native = config["talker_config"].get("max_position_embeddings", 32768)

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 from torch import nn
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
@@ -25,6 +26,9 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeRotaryEmbedding,
     Qwen3OmniMoeSnakeBeta,
 )
+
+from omnistage.engine.generation.engine import Results
+from omnistage.types import StageInput
 
 _DECODER_FIELDS = (
     "codebook_size", "hidden_size", "max_position_embeddings", "rope_theta", "num_attention_heads",
@@ -183,3 +187,45 @@ def load_codec_decoder(speech_tokenizer_dir: str | Path, dtype: torch.dtype = to
         state.update({k[len("decoder.") :]: v for k, v in load_file(f).items() if k.startswith("decoder.")})
     model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()
+
+
+class CodecOptions(BaseModel):
+    """`stages.codec.options`: how audio is cut into chunks while frames still arrive."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    window: int = Field(0, ge=0, description="frames (12.5 a second) per streamed audio chunk; 0 decodes the whole "
+                        "utterance at the end")
+    left_context: int = Field(25, ge=0, description="earlier frames decoded again with each window (the authors' "
+                              "streaming decode uses 25: an approximation, see docs/families/qwen3_tts.md)")
+
+
+class CodecStage:
+    """The generation engine's model for the codec stage: a request's frames ([T, Q] in `tensors["codes"]`, grown
+    by chunks) decode in windows of `window` frames with `left_context` frames before each, or whole at the end;
+    its progress (frames decoded) is `params["done"]`."""
+
+    def __init__(self, decoder: CodecDecoder, device: torch.device, window: int, left_context: int) -> None:
+        self.decoder, self.device = decoder, device
+        self.window, self.left_context = window, left_context
+
+    @staticmethod
+    def _frames(inp: StageInput) -> int:
+        codes = inp.tensors.get("codes")
+        return 0 if codes is None else codes.shape[0]
+
+    def ready(self, inp: StageInput) -> bool:
+        return inp.final or (self.window > 0 and self._frames(inp) - inp.params["done"] >= self.window)
+
+    def generate(self, inputs: list[StageInput]) -> Results:
+        results: Results = []
+        for inp in inputs:  # windows of different lengths and contexts: one decode each
+            n, done = self._frames(inp), inp.params["done"]
+            end = n if inp.final else done + (n - done) // self.window * self.window
+            audio = torch.zeros(0)
+            if end > done:
+                codes = inp.tensors["codes"][:end].T[None].to(self.device)  # [1, Q, end]
+                audio = self.decoder.decode_window(codes, done, self.left_context)[0].float().cpu()
+            inp.params["done"] = end
+            results.append(({"audio": audio}, inp.final and end == n))
+        return results
