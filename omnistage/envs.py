@@ -39,7 +39,9 @@ LOG_STATS_INTERVAL_S = EnvVar("OMNISTAGE_LOG_STATS_INTERVAL_S", float, 10.0,
                               "seconds between the one-line load summaries in the log while busy; 0: none")
 OPENAI_API_KEY = EnvVar("OPENAI_API_KEY", str, None,
                         "the openai SDK's own: `bench serve`'s key when neither --api-key nor OMNISTAGE_API_KEY is set")
+VOICES_DIR = EnvVar("OMNISTAGE_VOICES_DIR", str, None, "where uploaded TTS voices are kept (`serve --voices-dir`; "
+                    "default ~/.cache/omnistage/voices)")
 RAY_ADDRESS = EnvVar("RAY_ADDRESS", str, None, "Ray's own: the cluster the ray backend joins (unset: starts one)")
 
 REGISTRY: tuple[EnvVar, ...] = (FAMILY_PLUGINS, API_KEY, CACHE_DIR, TRITON_INTERPRET, LOG_STATS_INTERVAL_S,
-                                OPENAI_API_KEY, RAY_ADDRESS)
+                                OPENAI_API_KEY, VOICES_DIR, RAY_ADDRESS)

@@ -146,6 +146,8 @@ class LimitsConfig(_Strict):
                                   "summed")
     max_video_seconds: float = Field(600.0, gt=0, description="length of one video")
     max_audio_seconds: float = Field(600.0, gt=0, description="length of one audio item (or a video's track)")
+    max_speech_input_chars: int = Field(4096, ge=1, description="characters of text one /v1/audio/speech "
+                                        "request may ask to speak")
 
 
 class MediaConfig(_Strict):

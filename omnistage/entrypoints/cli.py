@@ -131,6 +131,8 @@ def _serve(args: argparse.Namespace) -> int:
     except OmniError as exc:
         return _fail(exc)
     quiet_libraries(args.log_level)
+    if args.voices_dir:  # read by the voices store when first used (envs.VOICES_DIR)
+        os.environ[envs.VOICES_DIR.name] = str(Path(args.voices_dir).expanduser().resolve())
     from omnistage.entrypoints.async_omni import AsyncOmni
     from omnistage.entrypoints.openai.server import ServerOptions, serve
     from omnistage.families.registry import load_pipeline
@@ -163,7 +165,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    if args.arch == "qwen2_5_omni":
+    if args.arch in TTS_ARCHS:
+        from omnistage.testing.qwen3_tts import make_tiny_qwen3_tts
+
+        print(make_tiny_qwen3_tts(args.out_dir, args.variant or "custom_voice"))
+    elif args.arch == "qwen2_5_omni":
         from omnistage.testing.qwen2_5_omni import make_tiny_qwen2_5_omni
 
         print(make_tiny_qwen2_5_omni(args.out_dir))
@@ -263,7 +269,9 @@ def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out
 
 
 TEXT_DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni")
-DEMO_ARCHS = (*TEXT_DEMO_ARCHS, *DIFFUSERS_LAYOUTS)
+TTS_ARCHS = ("qwen3_tts",)
+TTS_VARIANTS = ("custom_voice", "voice_design", "base")
+DEMO_ARCHS = (*TEXT_DEMO_ARCHS, *DIFFUSERS_LAYOUTS, *TTS_ARCHS)
 TINY_ARCHS = DEMO_ARCHS  # every layout the tiny-checkpoint factory knows
 
 
@@ -298,6 +306,46 @@ def _image_demo(url: str, engine: Any, prompt: str, image_out: str) -> None:
     print(f"[{side}x{side} image in {(time.perf_counter() - start) * 1000:.0f} ms; wrote {image_out}]")
 
 
+def _tts_demo(args: argparse.Namespace) -> int:
+    """A tiny CustomVoice checkpoint (built in a temporary directory), served; one `/v1/audio/speech` request;
+    the wav written to --audio-out and a one-line summary printed."""
+    import tempfile
+
+    import httpx
+
+    from omnistage.entrypoints.async_omni import AsyncOmni
+    from omnistage.entrypoints.openai.server import BackgroundServer
+    from omnistage.testing.qwen3_tts import make_tiny_qwen3_tts
+
+    t_load = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="omnistage-tts-") as tmp:
+        try:
+            engine = AsyncOmni.from_model(str(make_tiny_qwen3_tts(Path(tmp) / "qwen3_tts", "custom_voice")))
+        except (OmniError, OSError) as exc:
+            return _fail(exc)
+        load_s = time.perf_counter() - t_load
+        print(f"loaded tiny qwen3_tts (CustomVoice) in {load_s:.1f}s (random weights, so the speech is noise)")
+        try:
+            with BackgroundServer(engine, port=args.port) as server:
+                _wait_healthy(server.url)
+                voice = engine.pipeline.talker_config["spk_id"] and next(iter(engine.pipeline.talker_config["spk_id"]))
+                t0 = time.perf_counter()
+                resp = httpx.post(f"{server.url}/v1/audio/speech", timeout=300, json={
+                    "model": engine.served_model_name, "input": args.prompt, "voice": voice or None,
+                    "response_format": "wav", "max_new_tokens": args.max_tokens})
+                took = time.perf_counter() - t0
+                if resp.status_code != 200:
+                    return _fail(ConfigError(f"/v1/audio/speech answered {resp.status_code}: {resp.text}"))
+                Path(args.audio_out).write_bytes(resp.content)
+                seconds = resp.headers.get("x-usage-audio-seconds", "?")
+                frames = resp.headers.get("x-usage-output-frames", "?")
+                print(f"[qwen3_tts speech: voice {voice}, {frames} frames, {seconds} s of audio in "
+                      f"{took * 1000:.0f} ms; wrote {args.audio_out}]")
+        finally:
+            engine.shutdown()
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     """End to end on a random-weight tiny model: real server, real OpenAI client, streamed answer (for a
     model that speaks: streamed text and speech, the speech written to a WAV file)."""
@@ -305,6 +353,10 @@ def _demo(args: argparse.Namespace) -> int:
     from omnistage.entrypoints.openai.server import BackgroundServer
     from omnistage.testing import tiny_checkpoint
 
+    if args.arch in TTS_ARCHS:
+        if args.ui:
+            return _fail(ConfigError("--ui serves chat models; qwen3_tts runs the speech API demo (leave out --ui)"))
+        return _tts_demo(args)
     image = args.arch in DIFFUSERS_LAYOUTS
     if image and args.ui:
         return _fail(ConfigError("--ui serves chat models; image archs run the images API demo (leave out --ui)"))
@@ -400,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: any public host)")
     serve.add_argument("--no-remote-media", action="store_true",
                        help="never fetch media URLs; media must be inline (media.remote_fetch=false)")
+    serve.add_argument("--voices-dir", metavar="DIR",
+                       help="where uploaded TTS voices are kept (POST /v1/audio/voices; env OMNISTAGE_VOICES_DIR; "
+                            "default ~/.cache/omnistage/voices)")
     serve.add_argument("--allowed-local-media-path", metavar="DIR",
                        help="file:// media URLs may name files under this directory (media.allowed_local_path; "
                             "default: none)")
@@ -421,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (tests, demos)")
     tiny.add_argument("out_dir")
     tiny.add_argument("--arch", default="qwen2", choices=TINY_ARCHS)
+    tiny.add_argument("--variant", choices=TTS_VARIANTS, help="qwen3_tts: the checkpoint kind (default custom_voice)")
     tiny.set_defaults(func=_make_tiny)
 
     demo = sub.add_parser("demo", help="serve a tiny model and chat with it (or draw with it) through the OpenAI "
@@ -429,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="qwen2_5_omni: text and speech out (needs the `omni` extra); flux-dev, qwen-image, "
                       "qwen-image-edit, z-image-turbo, ...: an image through the images API (needs diffusers)")
     demo.add_argument("--image-out", default="omnistage-demo.png", help="image archs: where the image goes")
-    demo.add_argument("--audio-out", default="omnistage-demo.wav", help="qwen2_5_omni: where the speech goes")
+    demo.add_argument("--audio-out", default="omnistage-demo.wav",
+                      help="qwen2_5_omni, qwen3_tts: where the speech goes")
     demo.add_argument("--port", type=int, default=0, help="0: any free port")
     demo.add_argument("--prompt", default="Tell me about the river in the old town.")
     demo.add_argument("--max-tokens", type=int, default=32)

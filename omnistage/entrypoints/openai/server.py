@@ -654,12 +654,12 @@ def build_app(engine: AsyncOmni | None, api_key: str | None = None,
     app.state.edge = Edge(options)
     app.state.engine = None
     _install_error_handlers(app)
-    from omnistage.entrypoints.openai import audio, embeddings, images  # (they import this module's helpers)
+    from omnistage.entrypoints.openai import audio, embeddings, images, speech  # (they import this module's helpers)
 
     app.include_router(images.chat_router)  # chat completions of an image model; matches only for one
     app.include_router(router)
     app.include_router(metrics_router)
-    for extra in (audio.router, embeddings.router, images.router, ui_router):
+    for extra in (audio.router, embeddings.router, images.router, speech.router, ui_router):
         app.include_router(extra)
     # add_middleware wraps: the last added runs first (CORS answers preflights before any key is asked for)
     app.add_middleware(CatchAll)

@@ -135,6 +135,8 @@ def chat_requests(engine: AsyncOmni, body: ChatCompletionRequest, rid: str) -> l
     options = body.template_options()
     if body.audio:
         options.update(voice=body.audio.voice, audio_format=body.audio.format, max_duration_s=body.audio.max_duration_s)
+    if body.stream and "audio" in modalities:  # a streamed reply's audio is decoded as it comes (TTS codecs)
+        options["stream_audio"] = True
     requests = _fan_out(rid, [{"messages": body.message_dicts()}], params, output_modalities=modalities,
                         options=options)
     return _apply_stage_params(engine, body, requests)
