@@ -10,6 +10,7 @@ A request's `DiffusionParams` travel in `OmniRequest.options["diffusion"]`; inpu
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -24,6 +25,8 @@ from omnistage.families.base import Pipeline
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
 STAGE = "dit"
+MASK_REFUSED = ("this model does not take a mask: it edits the whole image from the prompt; "
+                "leave 'mask' out of the request")
 
 
 def prompt_of(request: OmniRequest) -> str:
@@ -51,10 +54,30 @@ class ImagePipeline(Pipeline):
     defaults: dict[str, Any]  # per checkpoint, set by the family
     max_input_images: ClassVar[int] = 0  # edit models: how many images a request may bring
     min_input_images: ClassVar[int] = 0
+    # Whether the family reads an edit mask (`OmniRequest.media["mask"]`); none does yet, so a mask is refused
+    # with a 400 rather than ignored.
+    accepts_mask: ClassVar[bool] = False
     options_class: ClassVar[type[DiffusionOptions]] = DiffusionOptions  # `stages.dit.options`
 
     def load_model(self, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
         raise NotImplementedError
+
+    @functools.cached_property
+    def token_pixels(self) -> int:
+        """The side in pixels of one image token of the DiT: the VAE's downsampling (read from its config, as
+        diffusers derives `vae_scale_factor`) times the 2x2 latent patch every family here packs."""
+        config = json.loads((self.model_path / "vae" / "config.json").read_text())
+        if "temperal_downsample" in config:  # the Wan-style video VAE of Qwen-Image
+            return 2 ** len(config["temperal_downsample"]) * 2
+        return 2 ** (len(config["block_out_channels"]) - 1) * 2
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """The DiT's image tokens for an image of width x height (a multiple of `size_multiple`)."""
+        return (width // self.token_pixels) * (height // self.token_pixels)
+
+    def input_image_tokens(self, images: list[Any]) -> int:
+        """The tokens the DiT's sequence holds for a request's input images (edit families override it)."""
+        return 0
 
     def resolve(self, params: DiffusionParams, images: list[Any]) -> DiffusionParams:
         """The request's params with the checkpoint's defaults filled in (an edit family may size the output from
@@ -72,6 +95,8 @@ class ImagePipeline(Pipeline):
                                if not self.max_input_images else
                                f"this model takes at most {self.max_input_images} input images (got {len(images)})",
                                "image")
+        if request.media.get("mask") and not self.accepts_mask:
+            raise RequestError(MASK_REFUSED, "mask")
         if len(images) < self.min_input_images:
             raise RequestError(f"this model edits images: send at least {self.min_input_images} input image", "image")
         params = self.resolve(replace(params, prompt=prompt_of(request)), images).check()
@@ -105,4 +130,5 @@ class ImagePipeline(Pipeline):
         pil = [] if images is None else [Image.fromarray(a) for a in (images * 255).round().to(torch.uint8).numpy()]
         progress = out.tensors.get("progress")
         steps = None if progress is None else (int(progress[-1, 0]), int(progress[-1, 1]))
-        return OmniOutput(out.request_id, images=pil, num_output_tokens=out.num_output_tokens, progress=steps)
+        return OmniOutput(out.request_id, images=pil, num_output_tokens=out.num_output_tokens, progress=steps,
+                          num_prompt_tokens=out.num_prompt_tokens)

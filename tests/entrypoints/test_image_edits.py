@@ -168,3 +168,51 @@ def test_chat_completions_edit_with_image_parts(plus) -> None:
                                            extra_body={**GEN, "size": "32x32"})
     url = reply.choices[0].message.content[0]["image_url"]["url"]
     assert url.removeprefix("data:image/png;base64,") == python_api(engine, "make it green", [_pil(RED)], **PARAMS)[0]
+
+
+def test_mask_is_refused_not_ignored(edit) -> None:
+    """No family here reads a mask: a valid one is a 400 saying so, on the HTTP route and the Python API alike."""
+    from omnistage.types import OmniRequest
+
+    engine, client, http = edit
+    files = [("image", ("red.png", RED, "image/png")), ("mask", ("m.png", BLUE, "image/png"))]
+    _error(http.post("/v1/images/edits", data=_form("qwen-image-edit"), files=files), 400,
+           "does not take a mask")
+    assert http.post("/v1/images/edits", data=_form("qwen-image-edit"), files=files).json()["error"]["param"] == "mask"
+    with pytest.raises(openai.BadRequestError, match="does not take a mask"):
+        client.images.edit(model="qwen-image-edit", image=("red.png", RED, "image/png"),
+                           mask=("m.png", BLUE, "image/png"), prompt="make it green", size="32x32", extra_body=GEN)
+    from omnistage.errors import RequestError
+
+    request = OmniRequest("masked", prompt="make it green", media={"image": [_pil(RED)], "mask": [_pil(BLUE)]},
+                          output_modalities=("image",))
+    with pytest.raises(RequestError, match="does not take a mask"):
+        engine.pipeline.preprocess(request)
+
+
+def test_edit_usage_counts_the_input_images_tokens(plus) -> None:
+    """An edit's `usage` counts each input image's latent tokens in the DiT's sequence (sized as diffusers'
+    `calculate_dimensions` sizes them) next to the prompt's text tokens; the output is the image's tokens."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    engine, client, _ = plus
+    vae = json.loads((engine.pipeline.model_path / "vae" / "config.json").read_text())
+    token = 2 ** len(vae["temperal_downsample"]) * 2  # diffusers' vae_scale_factor, times the 2x2 patch
+
+    def tokens(width: int, height: int) -> int:
+        return (width // token) * (height // token)
+
+    def edit(images: list[bytes]):
+        return client.images.edit(model="qwen-image-edit-plus", prompt="make it green", size="32x32",
+                                  extra_body=GEN, image=[(f"{i}.png", im, "image/png") for i, im in enumerate(images)])
+
+    one, two = edit([RED]).usage, edit([RED, BLUE]).usage
+    red = tokens(*calculate_dimensions(1024 * 1024, 40 / 56)[:2])
+    blue = tokens(*calculate_dimensions(1024 * 1024, 1.0)[:2])
+    assert (one.input_tokens_details.image_tokens, two.input_tokens_details.image_tokens) == (red, red + blue)
+    for usage in (one, two):
+        assert usage.input_tokens_details.text_tokens > 0
+        assert usage.input_tokens == usage.input_tokens_details.text_tokens + usage.input_tokens_details.image_tokens
+        assert usage.output_tokens == tokens(32, 32) and usage.total_tokens == usage.input_tokens + tokens(32, 32)
+    # the second picture's vision tokens and its "Picture 2" label reach the DiT as text-encoder tokens too
+    assert two.input_tokens_details.text_tokens > one.input_tokens_details.text_tokens

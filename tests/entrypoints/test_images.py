@@ -214,3 +214,26 @@ def test_bad_fields_are_4xx_before_any_work(http: httpx.Client, body: dict, stat
 def test_body_not_json_is_400(http: httpx.Client) -> None:
     _error(http.post("/v1/images/generations", content=b"{nope", headers={"content-type": "application/json"}), 400,
            "JSON")
+
+
+def test_usage_counts_the_dits_tokens(client: openai.OpenAI, flux_path: str) -> None:
+    """`usage`: input = the prompt's T5 tokens (what FLUX's DiT attends to), output = the image tokens of the n
+    images as diffusers' FluxPipeline packs its latents."""
+    import torch
+    from diffusers import FluxPipeline
+    from transformers import T5TokenizerFast
+
+    prompt = "a red fox in the snow"
+    out = client.images.generate(model="flux", prompt=prompt, n=2, **KW)
+    text = len(T5TokenizerFast.from_pretrained(f"{flux_path}/tokenizer_2")(prompt).input_ids)
+    pipe = FluxPipeline.from_pretrained(flux_path)
+    latents, _ = pipe.prepare_latents(2, pipe.transformer.config.in_channels // 4, 48, 32, torch.float32, "cpu",
+                                      torch.Generator("cpu").manual_seed(0))
+    image = latents.shape[0] * latents.shape[1]
+    usage = out.usage
+    assert usage is not None and text > 3
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (text, image, text + image)
+    assert (usage.input_tokens_details.text_tokens, usage.input_tokens_details.image_tokens) == (text, 0)
+    assert usage.output_tokens_details.image_tokens == image
+    longer = client.images.generate(model="flux", prompt=prompt + " at dawn, in oil paint", **KW).usage
+    assert longer.input_tokens > text and longer.output_tokens == image // 2

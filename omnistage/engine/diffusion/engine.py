@@ -91,6 +91,9 @@ class DiffusionModel(Protocol):
         """Latent rows -> images [rows, H, W, 3] float32 in [0, 1] on the CPU."""
         ...
 
+    # Optional: `prompt_tokens(params, cond) -> int`, the text tokens of a request's positive prompt that the DiT
+    # attends to, from its one conditioning row; outputs carry it as `num_prompt_tokens` (0 without it).
+
 
 def cat_conditioning(conds: list[Conditioning]) -> Conditioning:
     """The default `collate`: the batch's conditioning rows stacked (a family whose text lengths vary per request
@@ -118,6 +121,7 @@ class _Job:
     cond: Conditioning | None = None  # [n, ...] rows
     uncond: Conditioning | None = None  # [n, ...] rows of the negative branch (CFG only)
     done: int = 0  # steps taken
+    prompt_tokens: int = 0  # the positive prompt's text tokens (the model's `prompt_tokens`), for usage
 
     @property
     def rows(self) -> int:
@@ -243,6 +247,8 @@ class DiffusionEngine:
             row = 0
             for job in jobs:
                 job.cond = _rows(cond, row, row + 1, job.rows)
+                if hasattr(self.model, "prompt_tokens"):
+                    job.prompt_tokens = self.model.prompt_tokens(job.params, _rows(cond, row, row + 1, 1))
                 row += 1
                 if job.cfg is not None:
                     job.uncond = _rows(cond, row, row + 1, job.rows)
@@ -280,6 +286,7 @@ class DiffusionEngine:
                 del self.running[job.request_id]
                 tensors["images"] = images[job.request_id]
             outputs.append(StageOutput(job.request_id, self.name, tensors=tensors, num_output_tokens=job.done,
+                                       num_prompt_tokens=job.prompt_tokens,
                                        finished="images" in tensors,
                                        finish_reason="stop" if "images" in tensors else None))
         return outputs

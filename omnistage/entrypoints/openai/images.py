@@ -186,14 +186,24 @@ class ImageFields(BaseModel):
             "max_sequence_length", "vae_use_slicing", "vae_use_tiling") if getattr(self, name) is not None}
         params = DiffusionParams(prompt=prompt, width=width, height=height, n=self.n,
                                  lora=self.lora.as_params() if self.lora else None, **given).check()
+        if mask is not None:
+            _check_mask(pipeline)
         media: dict[str, list[Any]] = {"image": list(images)} if images else {}
-        if mask is not None:  # handed on; the current edit families do not read it
+        if mask is not None:
             media["mask"] = [mask]
         return OmniRequest(request_id, prompt=prompt, media=media, output_modalities=("image",),
                            options={"diffusion": params})
 
     def encode(self, image: Any) -> str:
         return encode_image(image, self.output_format or "png", self.output_compression)
+
+
+def _check_mask(pipeline: Any) -> None:
+    """A mask is a 400 on a model whose family does not read one: never accepted and silently ignored."""
+    if not getattr(pipeline, "accepts_mask", False):
+        from omnistage.families.diffusion import MASK_REFUSED
+
+        raise RequestError(MASK_REFUSED, "mask")
 
 
 def encode_image(image: Any, fmt: str, quality: int | None = None) -> str:
@@ -230,11 +240,23 @@ async def _generate(request: Request, fields: ImageFields, omni: OmniRequest) ->
     return out
 
 
-def _images_response(fields: ImageFields, out: OmniOutput) -> JSONResponse:
+def images_usage(pipeline: Any, out: OmniOutput, images: list[Any] | None = None) -> dict[str, Any]:
+    """OpenAI's images `usage` in the DiT's tokens: input = the prompt's text tokens it attends to (the engine's
+    `num_prompt_tokens`) plus the input images' latent tokens; output = the generated images' latent tokens."""
+    text = out.num_prompt_tokens
+    image_in = pipeline.input_image_tokens(images or [])
+    image_out = sum(pipeline.image_tokens(image.width, image.height) for image in out.images)
+    return {"input_tokens": text + image_in, "output_tokens": image_out, "total_tokens": text + image_in + image_out,
+            "input_tokens_details": {"text_tokens": text, "image_tokens": image_in},
+            "output_tokens_details": {"text_tokens": 0, "image_tokens": image_out}}
+
+
+def _images_response(fields: ImageFields, out: OmniOutput, usage: dict[str, Any]) -> JSONResponse:
     fmt = fields.output_format or "png"
     data = [{"b64_json": fields.encode(image)} for image in out.images]
     size = f"{out.images[0].width}x{out.images[0].height}" if out.images else None
-    return JSONResponse({"created": int(time.time()), "data": data, "output_format": fmt, "size": size})
+    return JSONResponse({"created": int(time.time()), "data": data, "output_format": fmt, "size": size,
+                         "usage": usage})
 
 
 def _no_stream(fields: ImageFields) -> None:
@@ -254,7 +276,7 @@ async def image_generations(request: Request) -> Response:
     _no_stream(fields)
     omni = fields.to_request(engine, f"img-{uuid.uuid4().hex}")
     out = await _generate(request, fields, omni)
-    return out if isinstance(out, Response) else _images_response(fields, out)
+    return out if isinstance(out, Response) else _images_response(fields, out, images_usage(engine.pipeline, out))
 
 
 # ---------------------------------------------------------------- edits (multipart)
@@ -338,10 +360,14 @@ async def image_edits(request: Request) -> Response:
     fields, images, mask = await read_edit_form(request, limits)
     _image_engine(request, fields.model)
     _no_stream(fields)
+    if mask is not None:  # refused before decoding anything
+        _check_mask(engine.pipeline)
     decoded, mask_image = await asyncio.to_thread(_decode_all, images, mask, limits.max_pixels)
     omni = fields.to_request(engine, f"imgedit-{uuid.uuid4().hex}", images=decoded, mask=mask_image)
     out = await _generate(request, fields, omni)
-    return out if isinstance(out, Response) else _images_response(fields, out)
+    if isinstance(out, Response):
+        return out
+    return _images_response(fields, out, images_usage(engine.pipeline, out, decoded))
 
 
 # ---------------------------------------------------------------- chat completions on an image model

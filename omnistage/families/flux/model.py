@@ -117,6 +117,10 @@ class FluxModel:
             return_dict=False,
         )[0]
 
+    def prompt_tokens(self, params: DiffusionParams, cond: dict[str, torch.Tensor]) -> int:
+        """The prompt's T5 tokens (the sequence the DiT attends to; padding excluded)."""
+        return len(self.tokenizer_2(params.prompt, truncation=True, max_length=params.max_sequence_length).input_ids)
+
     def decode(self, latents: torch.Tensor, key: FluxKey) -> torch.Tensor:
         config = self.vae.config
         z = self.unpack(latents, key) / config.scaling_factor + config.shift_factor

@@ -46,6 +46,13 @@ class QwenImageImagePipeline(ImagePipeline):
             raise RequestError(f"max_sequence_length must be at most {MAX_SEQUENCE_LENGTH}", "max_sequence_length")
         return params
 
+    def input_image_tokens(self, images: list[Any]) -> int:
+        """Each input image's VAE latents join the DiT's sequence at about `VAE_AREA` pixels (the model's
+        `_condition`)."""
+        from omnistage.families.qwen_image.model import VAE_AREA, fit_area
+
+        return sum(self.image_tokens(*fit_area(VAE_AREA, *image.size)) for image in images)
+
     def load_model(self, device: torch.device, dtype: torch.dtype) -> Any:
         from omnistage.families.qwen_image.model import QwenImageModel
 

@@ -232,6 +232,10 @@ class QwenImageModel:
         mixed = neg + scale * (pos - neg)
         return mixed * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(mixed, dim=-1, keepdim=True))
 
+    def prompt_tokens(self, params: DiffusionParams, cond: dict[str, torch.Tensor]) -> int:
+        """The text-encoder tokens the DiT attends to for the prompt (`prompt_mask`'s real tokens)."""
+        return int(cond["prompt_mask"].sum())
+
     def decode(self, latents: torch.Tensor, key: QwenKey) -> torch.Tensor:
         z = self.unpack(latents, key).to(self.vae.dtype)
         z = z / (1.0 / self._std.to(z.device)) + self._mean.to(z.device)  # as diffusers rounds it

@@ -111,6 +111,10 @@ class ZImageModel:
         out = self.transformer(x, (1000 - timesteps) / 1000, caps, return_dict=False)[0]
         return -torch.stack([o.float() for o in out]).squeeze(2)
 
+    def prompt_tokens(self, params: DiffusionParams, cond: dict[str, torch.Tensor]) -> int:
+        """The text-encoder tokens the DiT attends to for the prompt (`prompt_mask`'s real tokens)."""
+        return int(cond["prompt_mask"].sum())
+
     def decode(self, latents: torch.Tensor, key: ZImageKey) -> torch.Tensor:
         config = self.vae.config
         z = latents.to(self.vae.dtype) / config.scaling_factor + config.shift_factor

@@ -47,6 +47,12 @@ def test_generation_equals_diffusers(client: openai.OpenAI, tiny_qwen_image_t2i:
     got = _pixels(out.data[0])
     assert got.shape == (48, 64, 3)
     assert np.abs(got - np.asarray(want.convert("RGB")).astype(np.int16)).max() <= 1
+    # usage: the prompt tokens diffusers' encode_prompt keeps (its mask), the DiT's image tokens (2x2 patches)
+    embeds, mask = pipe.encode_prompt("a red fox in the snow", device="cpu")  # mask None: no padding
+    text = embeds.shape[1] if mask is None else int(mask.sum())
+    image = (64 // (pipe.vae_scale_factor * 2)) * (48 // (pipe.vae_scale_factor * 2))
+    assert text > 3 and (out.usage.input_tokens, out.usage.output_tokens) == (text, image)
+    assert out.usage.input_tokens_details.image_tokens == 0
 
 
 def test_size_not_a_multiple_is_400(client: openai.OpenAI) -> None:

@@ -176,3 +176,8 @@ def test_http_generation_equals_diffusers(tiny_z_image_turbo: str) -> None:
     got = np.asarray(Image.open(io.BytesIO(base64.b64decode(out.data[0].b64_json))).convert("RGB")).astype(np.int16)
     assert got.shape == (32, 48, 3)
     assert np.abs(got - np.asarray(want.convert("RGB")).astype(np.int16)).max() <= 1
+    # usage: the caption tokens diffusers encodes for the prompt, and the DiT's image tokens (2x2 latent patches)
+    (embeds,), _ = pipe.encode_prompt("a red fox in the snow", device="cpu", do_classifier_free_guidance=False)
+    image = (48 // (pipe.vae_scale_factor * 2)) * (32 // (pipe.vae_scale_factor * 2))
+    assert (out.usage.input_tokens_details.text_tokens, out.usage.output_tokens) == (embeds.shape[0], image)
+    assert out.usage.total_tokens == embeds.shape[0] + image
