@@ -5,7 +5,8 @@ The layout is the released one (docs/families/qwen3_tts.md): `config.json` (`mod
 tokenizer with the TTS text special tokens, `model.safetensors` with `talker.*` weights, and `speech_tokenizer/`
 (12 Hz codec: Mimi encoder + this model's decoder, `preprocessor_config.json`). The reference package loads it
 with `Qwen3TTSModel.from_pretrained` (no missing or unused weights). Variants: "custom_voice" (three speakers, one
-a dialect speaker) and "voice_design" (no speakers: the voice is an instruction).
+a dialect speaker), "voice_design" (no speakers: the voice is an instruction) and "base" (voice clone: a tiny
+ECAPA-TDNN `speaker_encoder.*`; the speech tokenizer's Mimi encoder gives ICL reference codes).
 
 Ids in the tiny vocabularies (the released model's in brackets):
 
@@ -30,7 +31,7 @@ from safetensors.torch import save_file
 from omnistage.testing.factory import make_tokenizer
 
 # Bump whenever the produced files change, so stale cached checkpoints are not reused.
-FACTORY_VERSION = 1
+FACTORY_VERSION = 2
 
 TTS_TOKENS = ("<|tts_pad|>", "<|tts_text_bos|>", "<|tts_text_eod|>", "assistant")
 Q = 4  # codebooks per frame [16]
@@ -55,9 +56,15 @@ CODEC_DECODER = dict(
 )
 CODEC_ENCODER = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-    head_dim=16, num_filters=4, upsample_groups=32, codebook_dim=16, num_quantizers=Q, codebook_size=CODEBOOK,
-    upsampling_ratios=[8, 6, 5, 4],
-)
+    head_dim=16, num_filters=4, upsample_groups=32, codebook_dim=16, vector_quantization_hidden_dimension=16,
+    num_quantizers=Q, codebook_size=CODEBOOK, upsampling_ratios=[8, 6, 5, 4],
+)  # Mimi's codebooks are `codebook_dim` wide and its RVQ projects to `vector_quantization_hidden_dimension`: equal
+# The Base variant's ECAPA-TDNN speaker encoder [channels 512,512,512,512,1536, Res2Net scale 8, SE 128, attention
+# 128]; its output width is the talker's hidden size (the x-vector takes a codec-prefix position).
+SPEAKER_ENCODER = dict(mel_dim=128, enc_dim=TALKER["hidden_size"], enc_channels=[16, 16, 16, 16, 48],
+                       enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=8,
+                       enc_res2net_scale=4, enc_se_channels=8, sample_rate=24000)
+VARIANTS = ("custom_voice", "voice_design", "base")
 _LOGIT_SCALE = 3.0  # final-norm gain: logits std ~3 with unit-gain heads
 _EOS_GAIN = 1.5  # eos row of the codec head
 
@@ -110,6 +117,17 @@ def _talker_weights(text_vocab: int, g: torch.Generator) -> dict[str, torch.Tens
     return {k: v.contiguous() for k, v in w.items()}
 
 
+def _speaker_encoder_weights(g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random `speaker_encoder.*` weights: unit-gain convolutions so the x-vector is not vanishingly small."""
+    from omnistage.families.qwen3_tts.speaker import SpeakerEncoder
+
+    enc = SpeakerEncoder(SPEAKER_ENCODER)
+    with torch.no_grad():
+        for p in enc.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (p[0].numel() ** -0.5 if p.ndim >= 2 else 0.1))
+    return {f"speaker_encoder.{k}": v.contiguous() for k, v in enc.state_dict().items()}
+
+
 def _configs(tokenizer, variant: str) -> tuple[dict, dict]:
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
            (("tts_pad_token_id", "<|tts_pad|>"), ("tts_bos_token_id", "<|tts_text_bos|>"),
@@ -153,6 +171,13 @@ def _speech_tokenizer(out: Path, g: torch.Generator) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
     encoder = MimiModel(MimiConfig(**CODEC_ENCODER))
+    with torch.no_grad():  # Mimi initialises its codebooks to zeros: every frame would encode to code 0. The
+        # global generator seeded above draws them, so `g`'s stream (the decoder's weights) is as before.
+        for name, b in encoder.named_buffers():
+            if name.endswith("embed_sum"):
+                b.normal_(0.0, 1.0)
+            elif name.endswith("cluster_usage"):
+                b.uniform_(0.5, 2.0)
     weights = {f"encoder.{_mimi_name(k)}": v for k, v in encoder.state_dict().items()
                if not k.startswith(("upsample.", "decoder_transformer.", "decoder."))}
     decoder = CodecDecoder(CODEC_DECODER)
@@ -178,10 +203,11 @@ def _speech_tokenizer(out: Path, g: torch.Generator) -> None:
 
 def make_tiny_qwen3_tts(out_dir: str | Path, variant: str = "custom_voice", seed: int = 0) -> Path:
     """Write the tiny checkpoint to `out_dir`; identical bytes for identical arguments. `variant`: "custom_voice"
-    (speakers, the 0.6B size that ignores instructions) or "voice_design" (no speakers; the voice is described by
-    an instruction); "base" (voice clone: a speaker encoder) is not built yet."""
-    if variant not in ("custom_voice", "voice_design"):
-        raise ValueError(f"variant {variant!r} is not built; only 'custom_voice' and 'voice_design'")
+    (speakers, the 0.6B size that ignores instructions), "voice_design" (no speakers; the voice is described by
+    an instruction) or "base" (voice clone: no speakers, a `speaker_encoder.*` ECAPA-TDNN; the speech tokenizer's
+    encoder gives the reference codes)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
     out = make_tokenizer(out_dir, extra_special_tokens=TTS_TOKENS)
     # transformers 5 writes the special tokens as a list under `extra_special_tokens`; the package's transformers
     # (4.57) reads that key as a dict of named tokens, and the list under `additional_special_tokens`.
@@ -196,15 +222,19 @@ def make_tiny_qwen3_tts(out_dir: str | Path, variant: str = "custom_voice", seed
     text_ids, talker = _configs(tokenizer, variant)
     g = torch.Generator().manual_seed(seed)
     config = dict(model_type="qwen3_tts", architectures=["Qwen3TTSForConditionalGeneration"],
-                  tts_model_type=variant, tts_model_size="0b6" if variant == "custom_voice" else "1b7",
+                  tts_model_type=variant, tts_model_size="1b7" if variant == "voice_design" else "0b6",
                   tokenizer_type="qwen3_tts_tokenizer_12hz",
-                  talker_config=talker, speaker_encoder_config={"enc_dim": TALKER["hidden_size"]}, dtype="float32",
+                  talker_config=talker, dtype="float32",
+                  speaker_encoder_config=SPEAKER_ENCODER if variant == "base" else {"enc_dim": TALKER["hidden_size"]},
                   **text_ids)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
                       subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0, subtalker_temperature=0.9,
                       max_new_tokens=2048)
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    save_file(_talker_weights(len(tokenizer), g), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = _talker_weights(len(tokenizer), g)
+    if variant == "base":
+        weights |= _speaker_encoder_weights(g)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _speech_tokenizer(out / "speech_tokenizer", g)
     return out

@@ -9,9 +9,9 @@ marker="$venv/.omnistage-ready"
 [[ -f "$marker" ]] && exit 0
 python3 -m venv "$venv"
 pip="$venv/bin/pip"
-# torch 2.13.0 is the CPU build on this machine's disk (~1 GB less than 2.14.1's CUDA build with its libraries);
-# the reference runs on the CPU only.
-"$pip" install -q torch==2.13.0
+# qwen_tts imports torchaudio at import time (its 25 Hz tokenizer), and torchaudio's C extension loads only
+# against the torch it was built for: install the pair together. The reference runs on the CPU only.
+"$pip" install -q torch==2.11.0 torchaudio==2.11.0
 # qwen-tts's own pins (transformers 4.57.3, accelerate 1.12.0) resolve against that torch.
 "$pip" install -q qwen-tts==0.1.1
 "$venv/bin/python" -c "import qwen_tts, torch, transformers; print(torch.__version__, transformers.__version__)"

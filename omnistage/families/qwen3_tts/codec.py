@@ -156,6 +156,15 @@ class CodecDecoder(nn.Module):
             h = block(h)
         return h.clamp(-1, 1)
 
+    @property
+    def receptive_field(self) -> int:
+        """Frames of left history one frame's samples depend on: the transformer's layers x (window - 1) (each
+        layer looks window - 1 frames back) plus the convs' tails (pre-conv 2 frames, the ConvNeXt, decoder and
+        residual convs about 10 more at their rates), rounded up. Streaming with this much left context is exact;
+        the real checkpoint's 8 layers x 72 make it far longer than the authors' 25-frame context."""
+        t = self.pre_transformer
+        return len(t.layers) * (t.window - 1) + 12
+
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """Batched one-shot decode: codes [B, Q, T] (same T) -> wav [B, T * upsample_factor]."""
@@ -190,42 +199,71 @@ def load_codec_decoder(speech_tokenizer_dir: str | Path, dtype: torch.dtype = to
 
 
 class CodecOptions(BaseModel):
-    """`stages.codec.options`: how audio is cut into chunks while frames still arrive."""
+    """`stages.codec.options`: how a streamed request's audio is cut into chunks while frames still arrive.
+    Smaller windows lower first-packet latency but cost more decodes; `left_context` >= the receptive field
+    (see `CodecDecoder.receptive_field`) makes each window exact, less trades accuracy for compute."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    window: int = Field(0, ge=0, description="frames (12.5 a second) per streamed audio chunk; 0 decodes the whole "
-                        "utterance at the end")
-    left_context: int = Field(25, ge=0, description="earlier frames decoded again with each window (the authors' "
-                              "streaming decode uses 25: an approximation, see docs/families/qwen3_tts.md)")
+    first_window: int = Field(4, ge=1, description="frames (12.5 a second) in a streamed request's first chunk")
+    window: int = Field(12, ge=1, description="frames per later streamed chunk")
+    left_context: int = Field(25, ge=0, description="earlier frames decoded again with each window")
 
 
 class CodecStage:
-    """The generation engine's model for the codec stage: a request's frames ([T, Q] in `tensors["codes"]`, grown
-    by chunks) decode in windows of `window` frames with `left_context` frames before each, or whole at the end;
-    its progress (frames decoded) is `params["done"]`."""
+    """The generation engine's model for the codec stage. A request's frames ([T, Q] in `tensors["codes"]`, grown
+    by chunks) decode whole at the end (`params["stream"]` False) or in windows (`first_window`, then `window`
+    frames, each with `left_context` frames before it); `params["done"]` is the frames already emitted (it may
+    start > 0: ICL reference frames, left context only). All windows of one step decode in one forward."""
 
-    def __init__(self, decoder: CodecDecoder, device: torch.device, window: int, left_context: int) -> None:
+    def __init__(self, decoder: CodecDecoder, device: torch.device, first_window: int = 4, window: int = 12,
+                 left_context: int = 25) -> None:
         self.decoder, self.device = decoder, device
-        self.window, self.left_context = window, left_context
+        self.first_window, self.window, self.left_context = first_window, window, left_context
 
     @staticmethod
     def _frames(inp: StageInput) -> int:
         codes = inp.tensors.get("codes")
         return 0 if codes is None else codes.shape[0]
 
+    def _end(self, inp: StageInput) -> int:
+        """Last frame (exclusive) to decode now: all on the final chunk, else whole windows only."""
+        n, done = self._frames(inp), inp.params["done"]
+        if inp.final:
+            return n
+        if not inp.params.get("stream", False):
+            return done
+        if not inp.params.get("started"):  # the first chunk is exactly first_window frames: quick to decode
+            return done + self.first_window if n - done >= self.first_window else done
+        return done + (n - done) // self.window * self.window  # whole windows only; a late step catches up
+
     def ready(self, inp: StageInput) -> bool:
-        return inp.final or (self.window > 0 and self._frames(inp) - inp.params["done"] >= self.window)
+        return inp.final or self._end(inp) > inp.params["done"]
 
     def generate(self, inputs: list[StageInput]) -> Results:
+        # Rows start at their context start and are right-padded to the longest: the decoder is causal (left
+        # padding, right-trimmed transposed convs), so padding after a row never reaches its valid samples.
+        rows = []
+        for inp in inputs:
+            end, done = self._end(inp), inp.params["done"]
+            ctx = done if not inp.params.get("stream", False) else min(done, self.left_context)
+            rows.append((done - ctx, ctx, end))
+        longest = max((end - start for start, _, end in rows), default=0)
+        wav = None
+        if longest > 0:
+            q = self.decoder.num_quantizers
+            batch = torch.zeros(len(inputs), q, longest, dtype=torch.long)
+            for i, (inp, (start, _, end)) in enumerate(zip(inputs, rows, strict=True)):
+                if end > start:
+                    batch[i, :, : end - start] = inp.tensors["codes"][start:end].T
+            wav = self.decoder.decode(batch.to(self.device)).float().cpu()
+        up = self.decoder.upsample_factor
         results: Results = []
-        for inp in inputs:  # windows of different lengths and contexts: one decode each
-            n, done = self._frames(inp), inp.params["done"]
-            end = n if inp.final else done + (n - done) // self.window * self.window
-            audio = torch.zeros(0)
+        for i, (inp, (start, ctx, end)) in enumerate(zip(inputs, rows, strict=True)):
+            done = inp.params["done"]
+            audio = wav[i, ctx * up : (end - start) * up].clone() if wav is not None and end > done else torch.zeros(0)
             if end > done:
-                codes = inp.tensors["codes"][:end].T[None].to(self.device)  # [1, Q, end]
-                audio = self.decoder.decode_window(codes, done, self.left_context)[0].float().cpu()
+                inp.params["started"] = True
             inp.params["done"] = end
-            results.append(({"audio": audio}, inp.final and end == n))
+            results.append(({"audio": audio}, inp.final and end == self._frames(inp)))
         return results

@@ -7,11 +7,13 @@ through `after_sample` in the same step, for the whole batch at once: a small Qw
 static per-frame scratch buffer (positions 0..Q-1, rewritten every frame, so it can live in a CUDA graph), one
 batched pass per codebook. `after_sample` also returns the next step's input addition, the sum of the
 codebook-1.. embeddings; the engine adds it to the codec embedding of c0 and to the request's trailing-text row
-(`embed_adds`: here tts_pad for every frame, the text being in the prompt: non-streaming text mode).
+(`embed_adds`: the rest of the text one row per frame in the streaming text mode, then tts_pad; only tts_pad in the
+non-streaming mode, the text being in the prompt).
 
 Request tensors (`StageInput.tensors`, built by `talker_input`): `text_ids` (the assistant-formatted text's ids),
-`codec_prefix` (think tags, language, speaker ids: `codec_prefix_ids`) and `subtalker` ([do_sample, temperature,
-top_k, top_p] of the code predictor's sampling).
+`codec_prefix` (think tags, language, speaker ids: `codec_prefix_ids`), `subtalker` ([do_sample, temperature,
+top_k, top_p] of the code predictor's sampling), `streaming` (the text mode) and, Base, `x_vector` and for ICL
+`ref_codes` [T, Q] + `ref_text_ids`.
 """
 
 from __future__ import annotations
@@ -195,10 +197,18 @@ def codec_prefix_ids(talker_cfg: dict[str, Any], speaker: str | None, language: 
     return ids + ([c["spk_id"][spk]] if spk else [])
 
 
-def prompt_length(text_ids: list[int], codec_prefix: list[int], instruct_ids: list[int] | None = None) -> int:
-    """Positions of the talker's prompt (`TalkerLM.prepare_input`): the instruction, role 3, codec prefix + pad, the
-    text between the role and the 5 closing ids plus tts_eos, and the final tts_pad + codec bos."""
-    return len(instruct_ids or ()) + 3 + len(codec_prefix) + 1 + len(text_ids) - 8 + 1 + 1
+def prompt_length(text_ids: list[int], codec_prefix: list[int], instruct_ids: list[int] | None = None, *,
+                  x_vector: bool = False, ref_text_ids: list[int] | None = None, ref_frames: int = 0,
+                  streaming: bool = False) -> int:
+    """Positions of the talker's prompt (`TalkerLM.prepare_input`): the instruction, role 3, codec prefix (+ the
+    x-vector) + pad, then the body: non-streaming, the text between the role and the 5 closing ids plus tts_eos and
+    a final tts_pad + codec bos; streaming, the first text id + codec bos. ICL (ref codes): the ref text + text +
+    tts_eos with codec pad, then codec bos + the ref frames (non-streaming), or the longer of the two (streaming)."""
+    head = len(instruct_ids or ()) + 3 + len(codec_prefix) + int(x_vector) + 1
+    if ref_frames:
+        text = len(ref_text_ids or ()) - 5 + len(text_ids) - 8 + 1
+        return head + (max(text, ref_frames + 1) if streaming else text + ref_frames + 1)
+    return head + (1 if streaming else len(text_ids) - 8 + 1 + 1)
 
 
 def talker_params(talker_cfg: dict[str, Any], generation: dict[str, Any], max_tokens: int, **overrides: Any
@@ -217,17 +227,28 @@ def talker_params(talker_cfg: dict[str, Any], generation: dict[str, Any], max_to
 
 
 def talker_input(request_id: str, text_ids: list[int], codec_prefix: list[int], params: SamplingParams,
-                 generation: dict[str, Any], instruct_ids: list[int] | None = None, **overrides: Any) -> StageInput:
+                 generation: dict[str, Any], instruct_ids: list[int] | None = None, *,
+                 x_vector: torch.Tensor | None = None, ref_codes: torch.Tensor | None = None,
+                 ref_text_ids: list[int] | None = None, streaming: bool = False, **overrides: Any) -> StageInput:
     """The talker stage's input for one request: the assistant-formatted text's ids, the codec prefix, and the ids
     of an instruction (`<|im_start|>user\n{instruct}<|im_end|>\n`: VoiceDesign's voice description) if any;
-    `overrides` of the generation defaults name subtalker_* too."""
+    Base: the speaker's `x_vector` [hidden] and, for ICL, `ref_codes` [T, Q] with the ids of
+    `<|im_start|>assistant\n{ref_text}<|im_end|>\n`; `streaming`: the streaming text mode (the text after its first
+    id is fed one id per generated frame); `overrides` of the generation defaults name subtalker_* too."""
     g = {**generation, **overrides}
     subtalker = [float(g.get("subtalker_dosample", True)), float(g.get("subtalker_temperature", 0.9)),
                  float(g.get("subtalker_top_k", 50)), float(g.get("subtalker_top_p", 1.0))]
     tensors = {"text_ids": torch.tensor(text_ids), "codec_prefix": torch.tensor(codec_prefix),
-               "subtalker": torch.tensor(subtalker)}
+               "subtalker": torch.tensor(subtalker), "streaming": torch.tensor(bool(streaming))}
     if instruct_ids:
         tensors["instruct_ids"] = torch.tensor(instruct_ids)
+    if x_vector is not None:
+        tensors["x_vector"] = x_vector.float().reshape(-1)
+    if ref_codes is not None:
+        if not ref_text_ids:
+            raise ValueError("ICL reference codes need the reference text's ids")
+        tensors["ref_codes"] = ref_codes.long()
+        tensors["ref_text_ids"] = torch.tensor(ref_text_ids)
     return StageInput(request_id, params=params, tensors=tensors)
 
 
@@ -249,28 +270,55 @@ class TalkerLM(hf.HFCausalLM):
     def codec(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         return self.embed(torch.as_tensor(ids, device=self.device))
 
+    def frame_embeds(self, codes: torch.Tensor) -> torch.Tensor:
+        """[T, hidden]: each frame's summed code embeddings, C(c0) + sum_k E_k(c_k) (a generated frame's input)."""
+        codes = codes.to(self.device)
+        total = self.codec(codes[:, 0])
+        for k, table in enumerate(self.talker.code_predictor.model.codec_embedding):
+            total = total + table(codes[:, k + 1])
+        return total
+
     @torch.inference_mode()
     def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
-        """The prompt in non-streaming text mode (the doc's "Prompt" steps 1-4): the instruction if any (text only),
-        role, codec prefix (with tts_pad.. tts_bos on the text side), the whole text with codec pad, then tts_pad +
-        codec bos. Every generated position adds tts_pad (the engine's `embed_add_default`)."""
+        """The prompt (the doc's "Prompt" steps 1-5): the instruction if any (text only), role, codec prefix (think
+        tags, language, speaker id or the Base x-vector, pad; tts_pad.. tts_bos on the text side), then the body.
+        Non-streaming: the whole text with codec pad, then tts_pad + codec bos; streaming: the first text id + codec
+        bos, the rest of the text + tts_eos fed one row per generated frame (`embed_adds`). ICL: text = ref text +
+        text + tts_eos, codec = bos + the ref frames; concatenated (non-streaming) or summed position-wise with the
+        text's excess fed per frame (streaming). Every generated position past the fed rows adds tts_pad."""
         if not first:
             return inp
         t, c, s = inp.tensors, self.cfg, self.text_ids
         ids = t["text_ids"].tolist()
+        streaming = bool(t["streaming"]) if "streaming" in t else False
         pad, bos, eos = self.text([s.tts_pad, s.tts_bos, s.tts_eos])
-        prefix = self.codec([*t["codec_prefix"].tolist(), c["codec_pad_id"], c["codec_bos_id"]])
+        rows = [self.codec(t["codec_prefix"].tolist())]
+        if "x_vector" in t:
+            rows.append(t["x_vector"].to(self.device, pad.dtype)[None])
+        prefix = torch.cat([*rows, self.codec([c["codec_pad_id"], c["codec_bos_id"]])])
         text_side = torch.cat([pad.expand(len(prefix) - 2, -1), bos[None]])
-        body = torch.cat([self.text(ids[3:-5]), eos[None]])
         instruct = [self.text(t["instruct_ids"])] if "instruct_ids" in t else []
-        embeds = torch.cat([
-            *instruct, self.text(ids[:3]), text_side + prefix[:-1],
-            body + self.codec([c["codec_pad_id"]]), (pad + prefix[-1])[None],
-        ])
+        trailing = pad.new_zeros(0, pad.shape[0])
+        if "ref_codes" in t:
+            text = torch.cat([self.text(t["ref_text_ids"].tolist()[3:-2] + ids[3:-5]), eos[None]])
+            codec = torch.cat([prefix[-1:], self.frame_embeds(t["ref_codes"])])
+            if not streaming:
+                body = torch.cat([text + self.codec([c["codec_pad_id"]]), codec + pad])
+            elif len(text) > len(codec):
+                body, trailing = text[: len(codec)] + codec, text[len(codec):]
+            else:
+                body = torch.cat([text, pad.expand(len(codec) - len(text), -1)]) + codec
+        elif streaming:
+            body = self.text(ids[3:4]) + prefix[-1]
+            trailing = torch.cat([self.text(ids[4:-5]), eos[None]])
+        else:
+            body = torch.cat([torch.cat([self.text(ids[3:-5]), eos[None]]) + self.codec([c["codec_pad_id"]]),
+                              (pad + prefix[-1])[None]])
+        embeds = torch.cat([*instruct, self.text(ids[:3]), text_side + prefix[:-1], body])
         inp.embeds = embeds
         inp.token_ids = [c["codec_pad_id"]] * len(embeds)  # ids in the suppressed range: the repetition penalty
         # over prompt + output ids then acts on c0's history alone, as the reference's (it has no prompt ids)
-        inp.embed_adds = embeds.new_zeros(0, embeds.shape[1])
+        inp.embed_adds = trailing
         inp.embed_add_default = pad
         return inp
 

@@ -39,14 +39,14 @@ def expected_audio(checkpoint: Path) -> list[np.ndarray]:
     return [decoder.decode(torch.from_numpy(c).T[None])[0].numpy() for c in codes]
 
 
-def _speak(checkpoint: Path, deploy: dict, items: list[tuple] = ITEMS) -> list[OmniOutput]:
+def _speak(checkpoint: Path, deploy: dict, items: list[tuple] = ITEMS, stream: bool = False) -> list[OmniOutput]:
     family = Qwen3TTSFamily()
     info = CheckpointInfo.read(checkpoint)
     assert family.matches(info)
     config = load_deploy_config({"worker_backend": "inline", **deploy}, base=family.default_deploy(info))
     orchestrator = start_orchestrator(family.pipeline(info, config))
     greedy = SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=FRAMES)
-    options = {"subtalker_dosample": False}
+    options = {"subtalker_dosample": False, "stream_audio": stream}
     done: queue.SimpleQueue[OmniOutput] = queue.SimpleQueue()
     results = {}
     try:
@@ -77,8 +77,8 @@ def test_speech_matches_reference_codes_decoded(checkpoint: Path, expected_audio
 
 
 def test_streamed_windows_with_full_context_match(checkpoint: Path, expected_audio: list[np.ndarray]) -> None:
-    deploy = {"async_chunk": True, "stages": {"codec": {"options": {"window": 4, "left_context": FRAMES}}}}
-    for out, ref in zip(_speak(checkpoint, deploy), expected_audio, strict=True):
+    deploy = {"stages": {"codec": {"options": {"first_window": 2, "window": 4, "left_context": FRAMES}}}}
+    for out, ref in zip(_speak(checkpoint, deploy, stream=True), expected_audio, strict=True):
         assert out.error is None and out.num_chunks > 1  # type: ignore[attr-defined]
         # full left context: one-shot up to the batch-shape fp32 noise of the random decoder (see test_codec)
         np.testing.assert_allclose(out.audio, ref, atol=5e-3, rtol=0)
