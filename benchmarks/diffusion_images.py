@@ -47,7 +47,7 @@ _T5_XXL = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_lay
 _QWEN25_VL_7B_TEXT = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
                       "num_attention_heads": 28, "num_key_value_heads": 4}
 _QWEN3_4B = {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "head_dim": 128}
+             "num_key_value_heads": 8, "head_dim": 128, "layer_types": ["full_attention"] * 36}
 FULL_SIZE: dict[str, dict[str, dict[str, Any]]] = {
     "flux-dev": {
         "transformer": {"in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
@@ -67,7 +67,8 @@ FULL_SIZE: dict[str, dict[str, dict[str, Any]]] = {
             "vision_config": {"out_hidden_size": 3584}}},
     "z-image-turbo": {
         "transformer": {"in_channels": 16, "dim": 3840, "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30,
-                        "n_kv_heads": 30, "cap_feat_dim": 2560},
+                        "n_kv_heads": 30, "cap_feat_dim": 2560, "axes_dims": [32, 48, 48],
+                        "axes_lens": [1024, 512, 512]},
         "vae": _FLUX_VAE, "text_encoder": _QWEN3_4B},
 }
 FULL_SIZE["qwen-image-edit"] = FULL_SIZE["qwen-image"]
@@ -141,6 +142,16 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def input_images(path: Path, p: DiffusionParams) -> list[Any]:
+    """Edit models take an input image: one fixed random picture of the output's size; none for the others."""
+    from PIL import Image
+
+    if "Edit" not in json.loads((path / "model_index.json").read_text())["_class_name"]:
+        return []
+    pixels = np.random.default_rng(0).integers(0, 256, (p.height, p.width, 3), dtype=np.uint8)
+    return [Image.fromarray(pixels)]
+
+
 def diffusers_side(path: Path, p: DiffusionParams, images: int, record: Any) -> dict[str, np.ndarray]:
     import diffusers
 
@@ -151,6 +162,8 @@ def diffusers_side(path: Path, p: DiffusionParams, images: int, record: Any) -> 
     pipe.set_progress_bar_config(disable=True)
     kwargs = {"width": p.width, "height": p.height, "num_inference_steps": p.num_inference_steps,
               "output_type": "np"}
+    if inputs := input_images(path, p):
+        kwargs["image"] = inputs[0]
     if p.negative_prompt is not None:
         kwargs.update(negative_prompt=p.negative_prompt, true_cfg_scale=p.true_cfg_scale)
     if p.guidance_scale is not None:
@@ -161,12 +174,12 @@ def diffusers_side(path: Path, p: DiffusionParams, images: int, record: Any) -> 
             pipe.transformer.compile_repeated_blocks(fullgraph=True)
         reset_peak()
         t0 = time.perf_counter()
-        pipe(p.prompt, generator=torch.Generator("cpu").manual_seed(p.seed), **kwargs)  # warm-up (and compile)
+        pipe(prompt=p.prompt, generator=torch.Generator("cpu").manual_seed(p.seed), **kwargs)  # warm-up (and compile)
         sync()
         warm = time.perf_counter() - t0
         t0 = time.perf_counter()
         for _ in range(images):
-            image = pipe(p.prompt, generator=torch.Generator("cpu").manual_seed(p.seed), **kwargs).images[0]
+            image = pipe(prompt=p.prompt, generator=torch.Generator("cpu").manual_seed(p.seed), **kwargs).images[0]
         sync()
         seconds = (time.perf_counter() - t0) / images
         out[mode] = image
@@ -179,9 +192,11 @@ def diffusers_side(path: Path, p: DiffusionParams, images: int, record: Any) -> 
 
 def run_engine(pipeline: Any, engine: DiffusionEngine, requests: list[DiffusionParams]) -> dict[str, Any]:
     """All `requests` added at once; steps to the end. Per request: image, first-step and finish seconds."""
+    inputs = input_images(pipeline.model_path, requests[0])
     t0 = time.perf_counter()
     for i, p in enumerate(requests):
         engine.add_request(pipeline.preprocess(OmniRequest(f"r{i}", prompt=p.prompt, output_modalities=("image",),
+                                                           media={"image": inputs} if inputs else {},
                                                            options={"diffusion": p})))
     first, done, images = {}, {}, {}
     while engine.has_work():

@@ -9,7 +9,7 @@
 set -euo pipefail
 dir=${1:-.whl}
 python=${2:-python3}
-names=(transformers huggingface-hub hf-xet tokenizers regex fastapi starlette opentelemetry-api uvicorn pydantic pydantic_core annotated-types
+names=(transformers huggingface-hub hf-xet tokenizers kernels tomlkit regex fastapi starlette opentelemetry-api uvicorn pydantic pydantic_core annotated-types
        typing-inspection msgspec pyzmq openai httpx2 httpcore2 truststore jiter sniffio soundfile cffi pycparser
        soxr av pytest-asyncio python-multipart xgrammar apache-tvm-ffi diffusers peft accelerate psutil cache-dit torchao)
 if [[ ${WITH_RAY:-0} == 1 ]]; then
