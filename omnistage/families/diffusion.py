@@ -1,8 +1,12 @@
 """What every image-generation family shares: one diffusion stage (`dit`) holding its text encoders, DiT and
-VAE, entered by a prompt (plus input images for edit models) and leaving as PIL images.
+VAE, entered by a prompt (plus input images for edit models) and leaving as PIL images. A deploy config with a
+`stages.encode` section splits the text encoders off into a stage of their own, `encode` (a generation stage that
+batches the prompts of every ready request, on its own devices), whose conditioning tensors go to `dit` over the
+edge's connector; the images are the same either way.
 
 A family subclasses `ImagePipeline`: it sets `defaults` (diffusers' `__call__` defaults for the checkpoint),
-`size_multiple`, and `input_modalities` / `max_input_images` for edit models, and implements `load_model`.
+`size_multiple`, and `input_modalities` / `max_input_images` for edit models, implements `load_model` (the parts
+a stage holds: all, the text encoders, or the DiT and VAE), and builds it with `ImagePipeline.build`.
 A request's `DiffusionParams` travel in `OmniRequest.options["diffusion"]`; input images in
 `OmniRequest.media["image"]` (PIL images, in the caller's order) and reach the engine as `StageInput.tensors`
 "image_0", "image_1", ... (uint8 [H, W, 3]).
@@ -11,22 +15,40 @@ A request's `DiffusionParams` travel in `OmniRequest.options["diffusion"]`; inpu
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from dataclasses import replace
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
+from omnistage.config.deploy import Advanced, DeployConfig
 from omnistage.devices import resolve_device
+from omnistage.engine.base import Engine
 from omnistage.engine.diffusion import DiffusionEngine, DiffusionModel, DiffusionOptions, DiffusionParams
+from omnistage.engine.diffusion.encoder import PromptEncoder
+from omnistage.engine.generation.engine import GenerationEngine
 from omnistage.errors import RequestError
-from omnistage.families.base import Pipeline
+from omnistage.families.base import CheckpointInfo, Edge, Pipeline, StageSpec
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
 STAGE = "dit"
+ENCODE_STAGE = "encode"  # only when the deploy config has a `stages.encode` section
+# What one stage's model holds: everything, only the text encoders (the encode stage, plus the VAE's encoder for
+# edit models), or everything but the text encoders (the DiT stage after an encode stage).
+Parts = Literal["all", "encoders", "dit"]
 MASK_REFUSED = ("this model does not take a mask: it edits the whole image from the prompt; "
                 "leave 'mask' out of the request")
+
+
+def component_config(cls: type, folder: Path) -> dict[str, Any]:
+    """A diffusers component's `config.json` over its class's defaults, as `.config` of the loaded module reads,
+    without loading its weights (a stage that does not hold the module still needs its shapes)."""
+    params = inspect.signature(cls.__init__).parameters
+    defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    return {**defaults, **json.loads((folder / "config.json").read_text())}
 
 
 def prompt_of(request: OmniRequest) -> str:
@@ -59,8 +81,25 @@ class ImagePipeline(Pipeline):
     accepts_mask: ClassVar[bool] = False
     options_class: ClassVar[type[DiffusionOptions]] = DiffusionOptions  # `stages.dit.options`
 
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
+    @classmethod
+    def build(cls, info: CheckpointInfo, deploy: DeployConfig) -> ImagePipeline:
+        """The pipeline of `info`'s checkpoint: `dit` alone, or `encode` -> `dit` when the deploy config has a
+        `stages.encode` section (an empty one takes the stage defaults)."""
+        split = ENCODE_STAGE in deploy.stages
+        deploy.check_stages({ENCODE_STAGE: Advanced, STAGE: Advanced} if split else {STAGE: Advanced},
+                            options={STAGE: cls.options_class})
+        stages = [StageSpec(ENCODE_STAGE, "generation")] if split else []
+        pipeline = cls(info.path, deploy, [*stages, StageSpec(STAGE, "diffusion", outputs=("image",))])
+        if split:
+            pipeline.edges = [Edge(ENCODE_STAGE, STAGE, pipeline.encoded, streamed=False)]
+        return pipeline
+
+    def load_model(self, device: torch.device, dtype: torch.dtype, parts: Parts = "all") -> DiffusionModel:
         raise NotImplementedError
+
+    def encoded(self, request: OmniRequest, out: StageOutput) -> StageInput:
+        """The handoff encode -> dit: the request's resolved params with the conditioning the encoder made."""
+        return StageInput(request.request_id, params=self.request_params(request).as_wire(), tensors=out.tensors)
 
     @functools.cached_property
     def token_pixels(self) -> int:
@@ -85,6 +124,13 @@ class ImagePipeline(Pipeline):
         return params.with_defaults(**self.defaults)
 
     def preprocess(self, request: OmniRequest) -> StageInput:
+        params = self.request_params(request)
+        tensors = {f"image_{i}": image_tensor(image) for i, image in enumerate(request.media.get("image", []))}
+        return StageInput(request.request_id, params=params.as_wire(), tensors=tensors)
+
+    def request_params(self, request: OmniRequest) -> DiffusionParams:
+        """The request's params, checked and resolved against the checkpoint's defaults (RequestError names what to
+        fix); a pure function of the request, so every stage of it resolves the same."""
         params = request.options.get("diffusion")
         if not isinstance(params, DiffusionParams):  # e.g. a chat request: only its sampling params' seed counts
             sampling = request.stage_params.get(STAGE) or request.stage_params.get("*")
@@ -104,18 +150,20 @@ class ImagePipeline(Pipeline):
             if getattr(params, name) % self.size_multiple:
                 raise RequestError(f"{name} must be a multiple of {self.size_multiple} for this model "
                                    f"(got {getattr(params, name)})", name)
-        tensors = {f"image_{i}": image_tensor(image) for i, image in enumerate(images)}
-        return StageInput(request.request_id, params=params.as_wire(), tensors=tensors)
+        return params
 
-    def build_engine(self, stage: str, device: str | None = None) -> DiffusionEngine:
+    def build_engine(self, stage: str, device: str | None = None) -> Engine:
         cfg = self.stage_config(stage)
         dev = resolve_device(device or cfg.devices)
         # Image DiTs are released in bfloat16; float32 on the CPU, where half precision is slow and less exact.
         dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else (
             torch.float32 if dev.type == "cpu" else torch.bfloat16)
+        if stage == ENCODE_STAGE:
+            return GenerationEngine.from_stage(stage, PromptEncoder(self.load_model(dev, dtype, "encoders")), cfg)
         # Offloaded weights are loaded into CPU memory; the engine streams them to `dev` as they run.
         offload = bool(cfg.options.get("cpu_offload")) and dev.type != "cpu"
-        model = self.load_model(torch.device("cpu") if offload else dev, dtype)
+        parts = "dit" if len(self.stages) > 1 else "all"
+        model = self.load_model(torch.device("cpu") if offload else dev, dtype, parts)
         model.device = dev
         if getattr(model, "pipeline_class", None) is None:  # the diffusers class that reads its LoRA files
             model.pipeline_class = json.loads((self.model_path / "model_index.json").read_text())["_class_name"]

@@ -2,6 +2,8 @@
 
 The family supplies the model parts (`DiffusionModel`): `encode` prompts into conditioning, `velocity` (the DiT
 forward on a batch of rows, each at its own timestep) and `decode` latents into images; the engine owns the loop.
+A request arrives either unencoded (the engine encodes the prompts of the requests it admits together, in one
+call) or with its conditioning from a separate encode stage (encoder.py); both give the same rows.
 Each `step()` runs ONE denoising step for every running request, so requests join at step boundaries and leave as
 soon as their schedule ends, never waiting for a batch to drain; rows of one forward may be at different steps of
 different schedules (the timestep and the Euler step are per row).
@@ -38,6 +40,7 @@ import torch
 
 from omnistage.config.deploy import StageConfig, parse_section
 from omnistage.engine.diffusion.accelerate import Accelerator
+from omnistage.engine.diffusion.encoder import COND, PROMPT_TOKENS, UNCOND, branch, encode_requests, is_encoded
 from omnistage.engine.diffusion.lora import LoraKey, LoraManager
 from omnistage.engine.diffusion.params import DiffusionOptions, DiffusionParams
 from omnistage.engine.schedulers.flow_match import FlowMatch, Schedule
@@ -129,10 +132,6 @@ class _Job:
 
     def progress(self) -> torch.Tensor:
         return torch.tensor([[self.done, self.schedule.num_steps]], dtype=torch.int64)
-
-
-def _rows(cond: Conditioning, start: int, end: int, repeat: int) -> Conditioning:
-    return {k: v[start:end].repeat_interleave(repeat, dim=0) for k, v in cond.items()}
 
 
 class DiffusionEngine:
@@ -237,22 +236,17 @@ class DiffusionEngine:
             if not self.running:  # a new batch: its adapter state and step cache
                 self.lora.activate(jobs[0].lora)
                 self.accel.begin(jobs[0].schedule.num_steps)
-            prompts, owners, inputs = [], [], []
+            # Requests from an encode stage bring their conditioning; the others are encoded here, in one pass.
+            fresh = [job for job in jobs if not is_encoded(job.inputs)]
+            encoded = encode_requests(self.model, [job.params for job in fresh], [job.inputs for job in fresh])
+            for job, encoding in zip(fresh, encoded, strict=True):
+                job.inputs = encoding
+            device = self.model.device
             for job in jobs:
-                branches = [job.params.prompt] + ([job.params.negative_prompt or ""] if job.cfg is not None else [])
-                prompts += branches
-                owners += [job.params] * len(branches)
-                inputs += [job.inputs] * len(branches)
-            cond = self.model.encode(prompts, owners, inputs)
-            row = 0
-            for job in jobs:
-                job.cond = _rows(cond, row, row + 1, job.rows)
-                if hasattr(self.model, "prompt_tokens"):
-                    job.prompt_tokens = self.model.prompt_tokens(job.params, _rows(cond, row, row + 1, 1))
-                row += 1
-                if job.cfg is not None:
-                    job.uncond = _rows(cond, row, row + 1, job.rows)
-                    row += 1
+                encoding = {k: v.to(device) for k, v in job.inputs.items() if k != PROMPT_TOKENS}
+                job.cond = branch(encoding, COND, job.rows)
+                job.uncond = branch(encoding, UNCOND, job.rows) if job.cfg is not None else None
+                job.prompt_tokens = int(job.inputs[PROMPT_TOKENS])
                 generator = torch.Generator("cpu").manual_seed(job.params.seed)
                 noise = torch.randn((job.rows, *self.model.noise_shape(job.params)), generator=generator,
                                     dtype=self.model.dtype)

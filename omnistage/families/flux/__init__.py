@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from omnistage.config.deploy import Advanced, DeployConfig
+from omnistage.config.deploy import DeployConfig
 from omnistage.engine.diffusion import DiffusionOptions, DiffusionParams
 from omnistage.errors import RequestError
-from omnistage.families.base import CheckpointInfo, StageSpec
-from omnistage.families.diffusion import STAGE, ImagePipeline
+from omnistage.families.base import CheckpointInfo
+from omnistage.families.diffusion import STAGE, ImagePipeline, Parts
 
 MAX_SEQUENCE_LENGTH = 512  # T5's limit in FLUX (its position buckets were trained to it)
 
@@ -37,10 +37,10 @@ class FluxImagePipeline(ImagePipeline):
             raise RequestError(f"max_sequence_length must be at most {MAX_SEQUENCE_LENGTH}", "max_sequence_length")
         return params
 
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> Any:
+    def load_model(self, device: torch.device, dtype: torch.dtype, parts: Parts = "all") -> Any:
         from omnistage.families.flux.model import FluxModel
 
-        return FluxModel(self.model_path, device, dtype)
+        return FluxModel(self.model_path, device, dtype, parts)
 
 
 class FluxFamily:
@@ -54,8 +54,7 @@ class FluxFamily:
         return {"stages": {STAGE: {"max_num_seqs": 4}}}
 
     def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> FluxImagePipeline:
-        deploy.check_stages({STAGE: Advanced}, options={STAGE: FluxOptions})
-        pipeline = FluxImagePipeline(info.path, deploy, [StageSpec(STAGE, "diffusion", outputs=("image",))])
+        pipeline = FluxImagePipeline.build(info, deploy)
         vae = json.loads((info.path / "vae" / "config.json").read_text())
         transformer = json.loads((info.path / "transformer" / "config.json").read_text())
         vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)

@@ -16,32 +16,39 @@ import torch
 
 from omnistage.engine.diffusion.params import DiffusionParams
 from omnistage.engine.schedulers.flow_match import FlowMatch, FlowMatchConfig, Schedule
+from omnistage.families.diffusion import component_config
 
 # Batch key: requests whose latents and text embeddings have the same shapes.
 FluxKey = tuple[int, int, int]  # (latent height, latent width, T5 sequence length)
 
 
 class FluxModel:
-    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype):
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, parts: str = "all"):
+        """`parts` (families.diffusion.Parts): "encoders" loads the tokenizers and text encoders only, "dit" the
+        MMDiT and VAE only, "all" both."""
         from diffusers import AutoencoderKL, FluxTransformer2DModel
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
         self.device, self.dtype = device, dtype
-        self.tokenizer = CLIPTokenizer.from_pretrained(path / "tokenizer")
-        self.tokenizer_2 = T5TokenizerFast.from_pretrained(path / "tokenizer_2")
 
         def load(cls: type, name: str, dtype_arg: str) -> torch.nn.Module:
             return cls.from_pretrained(path / name, **{dtype_arg: dtype}).to(device).eval()
 
-        self.text_encoder = load(CLIPTextModel, "text_encoder", "dtype")
-        self.text_encoder_2 = load(T5EncoderModel, "text_encoder_2", "dtype")
-        self.transformer = load(FluxTransformer2DModel, "transformer", "torch_dtype")
-        self.vae = load(AutoencoderKL, "vae", "torch_dtype")
+        if parts != "dit":
+            self.tokenizer = CLIPTokenizer.from_pretrained(path / "tokenizer")
+            self.tokenizer_2 = T5TokenizerFast.from_pretrained(path / "tokenizer_2")
+            self.text_encoder = load(CLIPTextModel, "text_encoder", "dtype")
+            self.text_encoder_2 = load(T5EncoderModel, "text_encoder_2", "dtype")
+        if parts != "encoders":
+            self.transformer = load(FluxTransformer2DModel, "transformer", "torch_dtype")
+            self.vae = load(AutoencoderKL, "vae", "torch_dtype")
         self.scheduler = FlowMatch(FlowMatchConfig.from_diffusers(
             json.loads((path / "scheduler" / "scheduler_config.json").read_text())))
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        self.latent_channels = self.transformer.config.in_channels // 4  # packed as 2x2 patches
-        self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
+        vae = component_config(AutoencoderKL, path / "vae")
+        transformer = component_config(FluxTransformer2DModel, path / "transformer")
+        self.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
+        self.latent_channels = transformer["in_channels"] // 4  # packed as 2x2 patches
+        self.guidance_embeds = bool(transformer.get("guidance_embeds"))
 
     # ---- shapes and schedule ----------------------------------------------------------------
 

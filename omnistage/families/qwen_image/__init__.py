@@ -16,11 +16,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from omnistage.config.deploy import Advanced, DeployConfig
+from omnistage.config.deploy import DeployConfig
 from omnistage.engine.diffusion import DiffusionOptions, DiffusionParams
 from omnistage.errors import RequestError
-from omnistage.families.base import CheckpointInfo, StageSpec
-from omnistage.families.diffusion import STAGE, ImagePipeline
+from omnistage.families.base import CheckpointInfo
+from omnistage.families.diffusion import STAGE, ImagePipeline, Parts
 
 MAX_SEQUENCE_LENGTH = 1024  # the pipelines' limit
 EDIT_PLUS_MAX_IMAGES = 4  # Edit-Plus (2509) is trained for 1 to 3 input images; a few more still fit one prompt
@@ -53,10 +53,10 @@ class QwenImageImagePipeline(ImagePipeline):
 
         return sum(self.image_tokens(*fit_area(VAE_AREA, *image.size)) for image in images)
 
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> Any:
+    def load_model(self, device: torch.device, dtype: torch.dtype, parts: Parts = "all") -> Any:
         from omnistage.families.qwen_image.model import QwenImageModel
 
-        return QwenImageModel(self.model_path, device, dtype)
+        return QwenImageModel(self.model_path, device, dtype, parts)
 
 
 class QwenImageEditImagePipeline(QwenImageImagePipeline):
@@ -87,8 +87,7 @@ class QwenImageFamily:
         return {"stages": {STAGE: {"max_num_seqs": 4}}}
 
     def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> QwenImageImagePipeline:
-        deploy.check_stages({STAGE: Advanced}, options={STAGE: QwenImageOptions})
-        pipeline = PIPELINES[info.class_name](info.path, deploy, [StageSpec(STAGE, "diffusion", outputs=("image",))])
+        pipeline = PIPELINES[info.class_name].build(info, deploy)
         vae = json.loads((info.path / "vae" / "config.json").read_text())
         vae_scale_factor = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
         pipeline.size_multiple = vae_scale_factor * 2  # 2x2-packed latents

@@ -29,6 +29,7 @@ import torch
 
 from omnistage.engine.diffusion.params import DiffusionParams
 from omnistage.engine.schedulers.flow_match import FlowMatch, FlowMatchConfig, Schedule
+from omnistage.families.diffusion import component_config
 
 VARIANTS = {"QwenImagePipeline": "t2i", "QwenImageEditPipeline": "edit", "QwenImageEditPlusPipeline": "edit-plus"}
 _SYSTEM_T2I = ("Describe the image by detailing the color, shape, size, texture, quantity, text, spatial "
@@ -71,31 +72,38 @@ def _pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class QwenImageModel:
-    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype):
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, parts: str = "all"):
+        """`parts` (families.diffusion.Parts): "encoders" loads the tokenizer / processor and text encoder (and the
+        VAE, whose encoder makes an edit's image latents), "dit" the DiT and VAE only, "all" everything."""
         from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
         from diffusers.image_processor import VaeImageProcessor
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
         self.device, self.dtype = device, dtype
         self.variant = VARIANTS[json.loads((path / "model_index.json").read_text())["_class_name"]]
-        self.tokenizer = Qwen2Tokenizer.from_pretrained(path / "tokenizer")
-        self.processor = None
-        if self.variant != "t2i":
-            from transformers import Qwen2VLProcessor
+        if parts != "dit":
+            self.tokenizer = Qwen2Tokenizer.from_pretrained(path / "tokenizer")
+            self.processor = None
+            if self.variant != "t2i":
+                from transformers import Qwen2VLProcessor
 
-            self.processor = Qwen2VLProcessor.from_pretrained(path / "processor")
-        self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            path / "text_encoder", dtype=dtype).to(device).eval()
-        self.transformer = QwenImageTransformer2DModel.from_pretrained(
-            path / "transformer", torch_dtype=dtype).to(device).eval()
-        self.vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", torch_dtype=dtype).to(device).eval()
+                self.processor = Qwen2VLProcessor.from_pretrained(path / "processor")
+            self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                path / "text_encoder", dtype=dtype).to(device).eval()
+        if parts != "encoders":
+            self.transformer = QwenImageTransformer2DModel.from_pretrained(
+                path / "transformer", torch_dtype=dtype).to(device).eval()
+        if parts != "encoders" or self.variant != "t2i":
+            self.vae = AutoencoderKLQwenImage.from_pretrained(path / "vae", torch_dtype=dtype).to(device).eval()
         self.scheduler = FlowMatch(FlowMatchConfig.from_diffusers(
             json.loads((path / "scheduler" / "scheduler_config.json").read_text())))
-        self.vae_scale_factor = 2 ** len(self.vae.config.temperal_downsample)
-        self.latent_channels = self.transformer.config.in_channels // 4  # packed as 2x2 patches
+        vae = component_config(AutoencoderKLQwenImage, path / "vae")
+        self.vae_scale_factor = 2 ** len(vae["temperal_downsample"])
+        transformer = component_config(QwenImageTransformer2DModel, path / "transformer")
+        self.latent_channels = transformer["in_channels"] // 4  # packed as 2x2 patches
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
         # Per-channel latent statistics, moved to where the latents are (weights may be offloaded to the CPU).
-        stats = (self.vae.config.latents_mean, self.vae.config.latents_std)
+        stats = (vae["latents_mean"], vae["latents_std"])
         self._mean, self._std = (torch.tensor(s).view(1, -1, 1, 1, 1).to(dtype) for s in stats)
 
     # ---- shapes and schedule ----------------------------------------------------------------

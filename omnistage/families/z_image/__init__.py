@@ -17,10 +17,10 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from omnistage.config.deploy import Advanced, DeployConfig, parse_section
+from omnistage.config.deploy import DeployConfig, parse_section
 from omnistage.engine.diffusion import DiffusionOptions
-from omnistage.families.base import CheckpointInfo, StageSpec
-from omnistage.families.diffusion import STAGE, ImagePipeline
+from omnistage.families.base import CheckpointInfo
+from omnistage.families.diffusion import STAGE, ImagePipeline, Parts
 
 TURBO_SHIFT = 3.0  # Z-Image-Turbo's released scheduler_config.json shift (Z-Image's is 6.0)
 BASE_DEFAULTS = {"width": 1024, "height": 1024, "num_inference_steps": 50, "guidance_scale": 5.0,
@@ -39,10 +39,10 @@ class ZImageOptions(DiffusionOptions):
 class ZImageImagePipeline(ImagePipeline):
     options_class = ZImageOptions
 
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> Any:
+    def load_model(self, device: torch.device, dtype: torch.dtype, parts: Parts = "all") -> Any:
         from omnistage.families.z_image.model import ZImageModel
 
-        return ZImageModel(self.model_path, device, dtype)
+        return ZImageModel(self.model_path, device, dtype, parts)
 
 
 def is_turbo(info: CheckpointInfo, preset: str) -> bool:
@@ -64,9 +64,8 @@ class ZImageFamily:
         return {"stages": {STAGE: {"max_num_seqs": 4}}}
 
     def pipeline(self, info: CheckpointInfo, deploy: DeployConfig) -> ZImageImagePipeline:
-        deploy.check_stages({STAGE: Advanced}, options={STAGE: ZImageOptions})
+        pipeline = ZImageImagePipeline.build(info, deploy)
         options = parse_section(ZImageOptions, deploy.stage(STAGE).options, f"stages.{STAGE}.options")
-        pipeline = ZImageImagePipeline(info.path, deploy, [StageSpec(STAGE, "diffusion", outputs=("image",))])
         vae = json.loads((info.path / "vae" / "config.json").read_text())
         pipeline.size_multiple = 2 ** (len(vae["block_out_channels"]) - 1) * 2  # the DiT's 2x2 patches
         pipeline.defaults = dict(TURBO_DEFAULTS if is_turbo(info, options.preset) else BASE_DEFAULTS)

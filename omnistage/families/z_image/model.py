@@ -27,6 +27,7 @@ import torch
 
 from omnistage.engine.diffusion.params import DiffusionParams
 from omnistage.engine.schedulers.flow_match import FlowMatch, FlowMatchConfig, Schedule
+from omnistage.families.diffusion import component_config
 
 ZImageKey = tuple[int, int]  # (latent height, latent width); caption lengths are padded per batch
 
@@ -38,21 +39,26 @@ def _pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class ZImageModel:
-    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype):
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, parts: str = "all"):
+        """`parts` (families.diffusion.Parts): "encoders" loads the tokenizer and text encoder only, "dit" the DiT
+        and VAE only, "all" both."""
         from diffusers import AutoencoderKL, ZImageTransformer2DModel
         from transformers import AutoModel, AutoTokenizer
 
         # `dtype` is the latents' (diffusers draws and steps them in float32); the modules run in `compute_dtype`.
         self.device, self.dtype, self.compute_dtype = device, torch.float32, dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-        self.text_encoder = AutoModel.from_pretrained(path / "text_encoder", dtype=dtype).to(device).eval()
-        self.transformer = ZImageTransformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype)
-        self.transformer = self.transformer.to(device).eval()
-        self.vae = AutoencoderKL.from_pretrained(path / "vae", torch_dtype=dtype).to(device).eval()
+        if parts != "dit":
+            self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+            self.text_encoder = AutoModel.from_pretrained(path / "text_encoder", dtype=dtype).to(device).eval()
+        if parts != "encoders":
+            self.transformer = ZImageTransformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype)
+            self.transformer = self.transformer.to(device).eval()
+            self.vae = AutoencoderKL.from_pretrained(path / "vae", torch_dtype=dtype).to(device).eval()
         self.scheduler = FlowMatch(FlowMatchConfig.from_diffusers(
             json.loads((path / "scheduler" / "scheduler_config.json").read_text())))
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        self.latent_channels = self.transformer.config.in_channels
+        vae = component_config(AutoencoderKL, path / "vae")
+        self.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
+        self.latent_channels = component_config(ZImageTransformer2DModel, path / "transformer")["in_channels"]
 
     # ---- shapes and schedule ----------------------------------------------------------------
 
