@@ -23,11 +23,10 @@ import asyncio
 import base64
 import io
 import json
-import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -42,7 +41,7 @@ from starlette.types import Scope
 
 from omnistage.engine.diffusion.params import DiffusionParams
 from omnistage.entrypoints.openai.protocol import MAX_N
-from omnistage.entrypoints.openai.serving import Fanout, check_model, collect, raise_if_failed
+from omnistage.entrypoints.openai.serving import Fanout, Release, check_model, raise_if_failed, run_admitted
 from omnistage.errors import RequestError
 from omnistage.media import MediaBudget, MediaLimits, RemotePolicy, aload_part, decode_image
 from omnistage.media.source import too_large
@@ -53,7 +52,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ImageFields", "chat_router", "encode_image", "router"]
 
-log = logging.getLogger("omnistage.server")
 router = APIRouter()
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _TRUE, _FALSE = "true", "false"
@@ -223,21 +221,12 @@ def _image_engine(request: Request, model: str | None) -> AsyncOmni:
     return engine
 
 
-async def _generate(request: Request, fields: ImageFields, omni: OmniRequest) -> OmniOutput | Response:
-    """Admit and run one image generation; a client that leaves aborts it (499)."""
-    from omnistage.entrypoints.openai.server import ClientGone, unless_disconnected  # server.py includes this router
-
-    release = request.app.state.edge.admit(1)
-    fan = Fanout(request.app.state.engine, [omni])
-    try:
-        await unless_disconnected(request, fan.start())
-        (out,) = await unless_disconnected(request, collect(fan))
-    except ClientGone:
-        log.info("client left; aborted %s", omni.request_id)
-        return Response(status_code=499)
-    finally:
-        release()
-    return out
+async def _generate(request: Request, omni: OmniRequest,
+                    stream: Callable[[Fanout, Release], Response] | None = None) -> OmniOutput | Response:
+    """One image generation through `run_admitted`: its output, or a response (the stream `stream` builds, or the
+    499 of a client that left)."""
+    outputs = await run_admitted(request, [omni], stream)
+    return outputs if isinstance(outputs, Response) else outputs[0]
 
 
 def images_usage(pipeline: Any, out: OmniOutput, images: list[Any] | None = None) -> dict[str, Any]:
@@ -275,7 +264,7 @@ async def image_generations(request: Request) -> Response:
     engine = _image_engine(request, fields.model)
     _no_stream(fields)
     omni = fields.to_request(engine, f"img-{uuid.uuid4().hex}")
-    out = await _generate(request, fields, omni)
+    out = await _generate(request, omni)
     return out if isinstance(out, Response) else _images_response(fields, out, images_usage(engine.pipeline, out))
 
 
@@ -364,7 +353,7 @@ async def image_edits(request: Request) -> Response:
         _check_mask(engine.pipeline)
     decoded, mask_image = await asyncio.to_thread(_decode_all, images, mask, limits.max_pixels)
     omni = fields.to_request(engine, f"imgedit-{uuid.uuid4().hex}", images=decoded, mask=mask_image)
-    out = await _generate(request, fields, omni)
+    out = await _generate(request, omni)
     if isinstance(out, Response):
         return out
     return _images_response(fields, out, images_usage(engine.pipeline, out, decoded))
@@ -474,7 +463,7 @@ async def image_chat_completions(request: Request) -> Response:
     """Chat completions on an image model: the last user message is the prompt (its images the edit's inputs),
     the generation fields come at the top level (the OpenAI SDK merges `extra_body` there) or in a literal
     `extra_body`; chat's own `response_format` (an object) is not the images API's and is dropped."""
-    from omnistage.entrypoints.openai.server import ClientGone, EventStream, unless_disconnected
+    from omnistage.entrypoints.openai.server import EventStream
 
     try:
         data = await request.json()
@@ -491,21 +480,13 @@ async def image_chat_completions(request: Request) -> Response:
     prompt, images = await _chat_input(engine, data.get("messages"))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     omni = fields.to_request(engine, rid, prompt=prompt, images=images)
-    release = request.app.state.edge.admit(1)
-    fan = Fanout(engine, [omni])
-    streaming = False
-    try:
-        await unless_disconnected(request, fan.start())
-        if stream:
-            streaming = True
-            return EventStream(_progress_chunks(fan, fields, rid, model), fan, release)
-        (out,) = await unless_disconnected(request, collect(fan))
-    except ClientGone:
-        log.info("client left; aborted %s", rid)
-        return Response(status_code=499)
-    finally:
-        if not streaming:
-            release()
+
+    def progress(fan: Fanout, release: Release) -> Response:
+        return EventStream(_progress_chunks(fan, fields, rid, model), fan, release)
+
+    out = await _generate(request, omni, progress if stream else None)
+    if isinstance(out, Response):
+        return out
     message = {"role": "assistant", "content": _image_parts(fields, out)}
     return JSONResponse({**_chat_base(rid, model, "chat.completion"), "usage": _chat_usage(out),
                          "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})

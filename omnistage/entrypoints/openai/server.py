@@ -16,11 +16,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,20 +43,23 @@ from omnistage.entrypoints.openai.protocol import (
     close_match,
 )
 from omnistage.entrypoints.openai.serving import (
+    ClientGone,
     Fanout,
     ModelNotFound,
+    Release,
     TextOffsets,
     TokenTexts,
     chat_chunks,
     chat_logprobs,
     chat_requests,
     check_model,
-    collect,
     completion_chunks,
     completion_logprobs,
     completion_requests,
     render_chat,
     render_completion,
+    run_admitted,
+    unless_disconnected,
 )
 from omnistage.entrypoints.openai.ui import UI_PATHS
 from omnistage.entrypoints.openai.ui import router as ui_router
@@ -80,10 +82,11 @@ __all__ = [
     "chat_logprobs",
     "TextOffsets",
     "completion_logprobs",
+    "ClientGone",
+    "unless_disconnected",
 ]
 
 log = logging.getLogger("omnistage.server")
-T = TypeVar("T")
 Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
 Progress = Callable[[str], None]
 
@@ -418,33 +421,6 @@ class CatchAll:
             await error_response(500, INTERNAL_ERROR, "internal_error")(scope, receive, send)
 
 
-# ---------------------------------------------------------------- client disconnects
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was ready."""
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it (which aborts its generations) if the client goes away first."""
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientGone
-    finally:
-        for t in (task, watch):
-            t.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(task, watch, return_exceptions=True)
-
-
 # ---------------------------------------------------------------- server-sent events
 
 
@@ -601,28 +577,19 @@ async def _complete(
     chunks: Callable[[Fanout, Body, str, str, TokenTexts], AsyncIterator[BaseModel]],
     render: Callable[[Body, str, str, list[OmniOutput], TokenTexts], BaseModel],
 ) -> Response:
-    """Both endpoints: admit the generations (prompts x n), start them, then stream or collect them, aborting if
-    the client leaves; their admission is released when they end (for a stream: when the stream does)."""
+    """Both endpoints: their generations (prompts x n) run through `run_admitted`, streamed as SSE chunks or
+    collected into one rendered reply."""
     engine: AsyncOmni = request.app.state.engine
     texts: TokenTexts = request.app.state.token_texts
     model = check_model(request.app.state.model_names, body.model)
     rid = f"{id_prefix}-{uuid.uuid4().hex}"
-    requests = to_requests(engine, body, rid)
-    release = request.app.state.edge.admit(len(requests))
-    fan = Fanout(engine, requests)
-    streaming = False
-    try:
-        await unless_disconnected(request, fan.start())
-        if body.stream:
-            streaming = True
-            return EventStream(chunks(fan, body, rid, model, texts), fan, release)
-        outputs = await unless_disconnected(request, collect(fan))
-    except ClientGone:
-        log.info("client left; aborted %s", [r.request_id for r in fan.requests])
-        return Response(status_code=499)
-    finally:
-        if not streaming:
-            release()
+
+    def stream(fan: Fanout, release: Release) -> Response:
+        return EventStream(chunks(fan, body, rid, model, texts), fan, release)
+
+    outputs = await run_admitted(request, to_requests(engine, body, rid), stream if body.stream else None)
+    if isinstance(outputs, Response):
+        return outputs
     return JSONResponse(render(body, rid, model, outputs, texts).model_dump())
 
 

@@ -1,8 +1,9 @@
 """Between the OpenAI wire format and the engine: a validated request becomes one OmniRequest per choice,
 those run together as a Fanout, and their deltas become a response or a stream of chunks.
 
-Nothing here knows HTTP or a particular model. The server never tokenizes; the one thing borrowed from the
-engine is `engine.tokenizer` (entry-stage HF tokenizer or None), to spell token ids in logprobs.
+Nothing here knows a particular model, and of HTTP only a route's request lifecycle (`run_admitted`: admission,
+client disconnects, 499). The server never tokenizes; the one thing borrowed from the engine is
+`engine.tokenizer` (entry-stage HF tokenizer or None), to spell token ids in logprobs.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import re
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from omnistage.entrypoints.openai.protocol import (
@@ -56,6 +59,8 @@ if TYPE_CHECKING:
     from omnistage.entrypoints.async_omni import AsyncOmni
 
 log = logging.getLogger("omnistage.server")
+T = TypeVar("T")
+Release = Callable[[], None]  # gives back what the HTTP edge admitted (idempotent)
 
 
 class ModelNotFound(RequestError):
@@ -314,6 +319,65 @@ async def collect(fan: Fanout) -> list[OmniOutput]:
     finally:
         await fan.aclose()
     return merged
+
+
+# ---------------------------------------------------------------- a route's generations, admitted to released
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (which aborts its generations) if the client goes away first."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(task, watch, return_exceptions=True)
+
+
+async def run_admitted(
+    request: Request,
+    requests: list[OmniRequest],
+    stream: Callable[[Fanout, Release], Response] | None = None,
+) -> list[OmniOutput] | Response:
+    """A route's generations from admission to release: admit them at the HTTP edge (its 429 / 503 raise), start
+    them on the app's engine (a RequestError or an early stage failure raises, before any byte is sent), then
+    hand them to `stream` for the response it builds, or collect each one's merged output (a failure raises).
+    A client that leaves before that is answered 499 (an empty body).
+
+    Invariant: every admitted request is released exactly once, and a disconnect aborts what has not finished in
+    every stage: here while starting or collecting; once handed over, the response `stream` returns owns the
+    fan-out and the release, and closes and calls them however it ends (as server.EventStream does)."""
+    release = request.app.state.edge.admit(len(requests))
+    fan = Fanout(request.app.state.engine, requests)
+    handed_over = False
+    try:
+        await unless_disconnected(request, fan.start())
+        if stream is not None:
+            response = stream(fan, release)
+            handed_over = True
+            return response
+        return await unless_disconnected(request, collect(fan))
+    except ClientGone:
+        log.info("client left; aborted %s", ", ".join(r.request_id for r in requests))
+        return Response(status_code=499)
+    finally:
+        if not handed_over:
+            await fan.aclose()  # idempotent: starting and collecting already close it however they end
+            release()
 
 
 # ---------------------------------------------------------------- token spelling for logprobs

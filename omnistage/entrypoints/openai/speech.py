@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,7 +22,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from omnistage.entrypoints.openai.serving import Fanout, check_model, collect, raise_if_failed, streaming_wav_header
+from omnistage.entrypoints.openai.serving import (
+    Fanout,
+    Release,
+    check_model,
+    raise_if_failed,
+    run_admitted,
+    streaming_wav_header,
+)
 from omnistage.entrypoints.openai.voices import router as voices_router
 from omnistage.entrypoints.openai.voices import store_of
 from omnistage.errors import RequestError
@@ -37,7 +43,6 @@ if TYPE_CHECKING:
 
 __all__ = ["USAGE_HEADERS", "SpeechRequest", "router", "tts_pipeline"]
 
-log = logging.getLogger("omnistage.server")
 router = APIRouter()
 router.include_router(voices_router)  # the voices routes come with speech (server.py includes this router)
 
@@ -388,7 +393,7 @@ async def _sse(fan: Fanout, body: SpeechRequest, fmt: str, rate: int) -> AsyncIt
 class _Stream(StreamingResponse):
     """A streamed reply that closes (aborts) its generation and releases its admission however it ends."""
 
-    def __init__(self, content: AsyncIterator[Any], media_type: str, fan: Fanout, release: Any) -> None:
+    def __init__(self, content: AsyncIterator[Any], media_type: str, fan: Fanout, release: Release) -> None:
         super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-cache",
                                                                   "X-Accel-Buffering": "no"})
         self.fan, self.release = fan, release
@@ -404,8 +409,6 @@ class _Stream(StreamingResponse):
 @router.post("/v1/audio/speech", response_model=None)
 async def speech(request: Request) -> Response:
     """Text to speech: the whole file, or a stream of pcm16/wav audio (raw or as SSE events)."""
-    from omnistage.entrypoints.openai.server import ClientGone, unless_disconnected
-
     engine: AsyncOmni = request.app.state.engine
     body = _parse(await request.body())
     check_model(request.app.state.model_names, body.model)
@@ -413,24 +416,17 @@ async def speech(request: Request) -> Response:
     fmt = _response_format(body)
     rid = f"speech-{uuid.uuid4().hex}"
     omni = await speech_request(engine, body, store_of(request.app), rid)
-    release = request.app.state.edge.admit(1)
-    fan = Fanout(engine, [omni])
     rate = pipeline.audio_sample_rate
-    streaming = False
-    try:
-        await unless_disconnected(request, fan.start())
-        if body.stream:
-            streaming = True
-            if (body.stream_format or "audio") == "sse":
-                return _Stream(_sse(fan, body, fmt, rate), "text/event-stream", fan, release)
-            return _Stream(_stream(fan, body, fmt, rate), MEDIA_TYPES[fmt], fan, release)
-        out = (await unless_disconnected(request, collect(fan)))[0]
-    except ClientGone:
-        log.info("client left; aborted %s", rid)
-        return Response(status_code=499)
-    finally:
-        if not streaming:
-            release()
+
+    def stream(fan: Fanout, release: Release) -> Response:
+        if (body.stream_format or "audio") == "sse":
+            return _Stream(_sse(fan, body, fmt, rate), "text/event-stream", fan, release)
+        return _Stream(_stream(fan, body, fmt, rate), MEDIA_TYPES[fmt], fan, release)
+
+    outputs = await run_admitted(request, [omni], stream if body.stream else None)
+    if isinstance(outputs, Response):
+        return outputs
+    out = outputs[0]
     model_audio = np.zeros(0, np.float32) if out.audio is None else np.asarray(out.audio, np.float32).reshape(-1)
     samples, out_rate = await asyncio.to_thread(_post, model_audio, out.sample_rate or rate, body)
     data = await asyncio.to_thread(_encode, samples, out_rate, fmt)
