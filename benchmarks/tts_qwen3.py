@@ -33,14 +33,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 1920  # 12.5 frames a second
-# The released 1.7B CustomVoice talker and 12 Hz speech tokenizer. The package's config classes default to other
-# sizes for the talker (hidden 1024, 20 layers: not the 1.7B) and the decoder (hidden 1024, intermediate 3072);
-# the numbers here are the released 1.7B checkpoint's. Code predictor and decoder heads/kv heads match the
-# package's defaults.
+# The released Qwen3-TTS-12Hz-1.7B-CustomVoice config (talker_config and its code_predictor_config) and the
+# Qwen3-TTS-Tokenizer-12Hz config (decoder_config). The package's config classes default to other sizes for the
+# talker (hidden 1024, 20 layers) and the decoder (hidden 1024, intermediate 3072, head_dim hidden / heads).
 FULL_SIZE: dict[str, Any] = {
     "talker": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                    num_key_value_heads=8, head_dim=128, text_hidden_size=2048, rope_theta=1000000.0),
-    "mrope_section": [24, 20, 20],  # sums to head_dim / 2
+    "mrope_section": [24, 20, 20],  # interleaved; sums to head_dim / 2
     "text_vocab_size": 151936,
     "predictor": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
                       num_key_value_heads=8, head_dim=128, rope_theta=1000000.0),
@@ -48,8 +47,9 @@ FULL_SIZE: dict[str, Any] = {
     "codebook_size": 2048,
     "codec_vocab_size": 3072,
     "decoder": dict(codebook_size=2048, codebook_dim=512, latent_dim=1024, hidden_size=512, intermediate_size=1024,
-                    num_attention_heads=16, num_key_value_heads=16, num_hidden_layers=8, num_quantizers=16,
-                    sliding_window=72, decoder_dim=1536, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2]),
+                    num_attention_heads=16, num_key_value_heads=16, head_dim=64, num_hidden_layers=8,
+                    num_quantizers=16, sliding_window=72, decoder_dim=1536, upsample_rates=[8, 5, 4, 3],
+                    upsampling_ratios=[2, 2]),
 }
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the quiet green forest."
 _EOS_OFF_GAIN = 3.0  # the non-eos codec-head rows' gain: their top-k logits stay far above eos's zero
@@ -79,7 +79,7 @@ def make_checkpoint(out: Path, tiny: bool) -> Path:
         factory.SPEAKERS = {k: v + shift for k, v in saved["SPEAKERS"].items()}
         factory.LANGUAGES = {k: v + shift for k, v in saved["LANGUAGES"].items()}
         factory.TALKER, factory.PREDICTOR = FULL_SIZE["talker"], FULL_SIZE["predictor"]
-        factory.CODEC_DECODER = FULL_SIZE["decoder"]
+        factory.CODEC_DECODER = _decoder_config()
         factory.CODEC_ENCODER = dict(saved["CODEC_ENCODER"], num_quantizers=factory.Q, codebook_size=cb)
     try:
         factory.make_tiny_qwen3_tts(out, "custom_voice")
@@ -111,6 +111,19 @@ def make_checkpoint(out: Path, tiny: bool) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     marker.write_text("ok\n")
     return out
+
+
+def _decoder_config() -> dict[str, Any]:
+    """FULL_SIZE's decoder, less the fields omnistage's codec decoder does not read: the factory writes the weights
+    omnistage builds and the config as given, so a field only one side reads would make the two disagree."""
+    from omnistage.families.qwen3_tts import codec
+
+    read = {*getattr(codec, "_DECODER_FIELDS", ()), "latent_dim", "codebook_dim"}
+    dropped = sorted(set(FULL_SIZE["decoder"]) - read)
+    if dropped:
+        print(f"warning: omnistage's codec decoder ignores {dropped}: the checkpoint is built without them",
+              file=sys.stderr, flush=True)
+    return {k: v for k, v in FULL_SIZE["decoder"].items() if k in read}
 
 
 def speakers(path: Path) -> list[str]:
@@ -155,14 +168,16 @@ def reference_worker(req_path: str, rep_path: str) -> None:
         else:  # one batched call of `level` requests: all finish together
             w, audio = call(level, 0)
             rows.append({"level": level, "walls": [w] * level, "audio": audio, "level_wall": w, "mode": "batch"})
-    Path(rep_path).write_text(json.dumps({"rows": rows}))
+    import transformers
+
+    Path(rep_path).write_text(json.dumps({"rows": rows, "transformers": transformers.__version__}))
 
 
 def reference_side(path: Path, args: argparse.Namespace, levels: list[int], record: Any) -> None:
     python = args.reference_python or (str(ROOT / ".venvs/qwen-tts/bin/python") if args.tiny else sys.executable)
     env = dict(os.environ)
-    if args.reference_site:
-        env["PYTHONPATH"] = os.pathsep.join([args.reference_site, *filter(None, [env.get("PYTHONPATH")])])
+    if args.reference_site:  # the site alone: nothing of omnistage's (transformers 5, hub 2, kernels) leaks in
+        env["PYTHONPATH"] = args.reference_site
     with tempfile.TemporaryDirectory() as tmp:
         req, rep = Path(tmp, "req.json"), Path(tmp, "rep.json")
         req.write_text(json.dumps({"path": str(path), "frames": args.frames, "levels": levels, "text": TEXT,
@@ -172,14 +187,16 @@ def reference_side(path: Path, args: argparse.Namespace, levels: list[int], reco
         if proc.returncode != 0:
             record(side="qwen-tts", error=proc.stderr[-1500:])
             return
-        rows = json.loads(rep.read_text())["rows"]
+        got = json.loads(rep.read_text())
+        rows = got["rows"]
     for r in rows:
         walls, audio = r["walls"], r["audio"]
         record(side="qwen-tts", level=r["level"], mode=r["mode"], requests=len(audio), frames=args.frames,
                ttfp_mean_s=_r(sum(walls) / len(walls)), ttfp_p90_s=_r(_pct(walls, 0.9)), ttfp_max_s=_r(max(walls)),
                rtf=_r(sum(w / a for w, a in zip(walls, audio, strict=True)) / len(audio)),
                audio_s_per_s=_r(sum(audio) / r["level_wall"]), audio_s=_r(sum(audio) / len(audio)),
-               stall_max_s=0.0, note="no streaming: first packet = whole call; stall 0 (audio comes whole)")
+               stall_max_s=0.0, transformers=got["transformers"],
+               note="no streaming: first packet = whole call; stall 0 (audio comes whole)")
 
 
 # ---------------------------------------------------------------- omnistage
@@ -253,7 +270,7 @@ def omnistage_side(path: Path, args: argparse.Namespace, levels: list[int], reco
                            audio_s_per_s=_r(sum(g["audio"] for g in got) / wall),
                            audio_s=_r(sum(g["audio"] for g in got) / n),
                            stall_max_s=_r(max(g["stall"] for g in got)),
-                           chunks_mean=_r(sum(g["chunks"] for g in got) / n))
+                           chunks_mean=_r(sum(g["chunks"] for g in got) / n), transformers=_transformers())
                 if windows is not None:
                     row["codec_windows"] = list(windows)
                 record(**row)
@@ -264,6 +281,12 @@ def omnistage_side(path: Path, args: argparse.Namespace, levels: list[int], reco
 
 
 # ---------------------------------------------------------------- output
+
+
+def _transformers() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _r(x: float) -> float:
@@ -293,10 +316,11 @@ COLUMNS = ("side", "level", "mode", "codec_windows", "ttfp_mean_s", "ttfp_p90_s"
 
 
 def table(rows: list[dict]) -> str:
-    shown = [r for r in rows if "error" not in r]
+    shown = [r for r in rows if "error" not in r and "skipped" not in r]
     lines = [" | ".join(COLUMNS), " | ".join("---" for _ in COLUMNS)]
     lines += [" | ".join(str(r.get(c, "")) for c in COLUMNS) for r in shown]
     lines += [f"{r['side']}: ERROR {r['error'][-300:]}" for r in rows if "error" in r]
+    lines += [f"{r['side']}: skipped ({r['skipped']})" for r in rows if "skipped" in r]
     return "\n".join(lines)
 
 
@@ -312,8 +336,11 @@ def main() -> None:
     ap.add_argument("--reference-python", help="interpreter for the package (default: this one; --tiny: "
                                                ".venvs/qwen-tts/bin/python)")
     ap.add_argument("--skip-reference", action="store_true")
-    ap.add_argument("--codec-windows", default="", help="also sweep codec first_window,window pairs at c=1 and "
-                                                        "c=32, e.g. '2,6;4,12;8,24'")
+    ap.add_argument("--codec-windows", default="", help="also sweep codec first_window,window pairs at the "
+                                                        "--sweep-levels, e.g. '2,6;4,12;8,24'")
+    ap.add_argument("--sweep-levels", default="1,32", help="levels of each --codec-windows pair")
+    ap.add_argument("--stop-after", type=float, default=0.0, help="start no further part (reference, omnistage, "
+                    "each window pair) once this many seconds have passed since the start; 0: no limit")
     ap.add_argument("--out", help="append JSON rows to this .jsonl")
     ap.add_argument("--reference-worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -322,22 +349,32 @@ def main() -> None:
         return
     levels = [int(x) for x in args.concurrency.split(",")]
     ref_levels = [int(x) for x in args.reference_levels.split(",")]
-    sweep_levels = [1, 32]
+    sweep_levels = [int(x) for x in args.sweep_levels.split(",")]
     if args.tiny:
         levels, ref_levels, sweep_levels, args.frames = [1, 2], [1, 2], [1, 2], 8
     default = Path(tempfile.gettempdir()) / ("tts_qwen3_tiny" if args.tiny else "tts_qwen3_1p7b")
     path = Path(args.checkpoint or default)
-    t0 = time.perf_counter()
+    t0 = start = time.perf_counter()
     make_checkpoint(path, args.tiny)
     print(f"checkpoint {path} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     rows: list[dict] = []
     record = recorder(args.out, rows)
-    if not args.skip_reference:
+
+    def may_start(part: str) -> bool:
+        late = args.stop_after and time.perf_counter() - start > args.stop_after
+        if late:
+            print(f"skipped {part}: past --stop-after {args.stop_after:g}s", file=sys.stderr, flush=True)
+            record(side=part, skipped=f"past --stop-after {args.stop_after:g}s")
+        return not late
+
+    if not args.skip_reference and may_start("qwen-tts"):
         reference_side(path, args, ref_levels, record)
-    omnistage_side(path, args, levels, record)
+    if may_start("omnistage"):
+        omnistage_side(path, args, levels, record)
     for pair in filter(None, args.codec_windows.split(";")):
         first, window = (int(x) for x in pair.split(","))
-        omnistage_side(path, args, sweep_levels, record, (first, window))
+        if may_start(f"omnistage codec_windows {first},{window}"):
+            omnistage_side(path, args, sweep_levels, record, (first, window))
     print(table(rows))
 
 
