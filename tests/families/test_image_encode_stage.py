@@ -116,12 +116,13 @@ def test_encode_stage_batches_every_ready_request_in_one_pass() -> None:
 
 
 def test_encode_stage_across_processes() -> None:
-    """The conditioning crosses a process boundary (the process backend's connector) unchanged."""
+    """The conditioning crosses a process boundary (the process backend's connector) unchanged; which requests share
+    a forward depends on arrival timing, so the images agree within the one-stage comparison's bound."""
     path = str(tiny_flux("dev"))
     inline, process = images(path, deploy(True), "flux-dev"), images(path, deploy(True, "process"), "flux-dev")
     assert process.keys() == inline.keys() == {"r0", "r1", "r2"}
     for rid in inline:
-        np.testing.assert_array_equal(process[rid], inline[rid])
+        assert np.abs(process[rid] - inline[rid]).max() <= 1 / 255 + ATOL, rid
 
 
 def test_encode_stage_loads_only_its_parts_and_takes_no_options() -> None:
