@@ -141,6 +141,8 @@ class OmniOutput:
     audio: np.ndarray | None = None  # mono float32 samples at `sample_rate`
     sample_rate: int | None = None
     images: list[Any] = field(default_factory=list)
+    videos: list[np.ndarray] = field(default_factory=list)  # uint8 [frames, H, W, 3] each, at `fps`
+    fps: float | None = None
     embedding: np.ndarray | None = None  # float32 [hidden], for a pooling request
     finished: bool = False
     finish_reason: str | None = None
@@ -166,6 +168,8 @@ class OmniOutput:
             self.audio = later.audio if self.audio is None else np.concatenate([self.audio, later.audio])
             self.sample_rate = later.sample_rate
         self.images += later.images
+        self.videos += later.videos
+        self.fps = later.fps or self.fps
         if later.embedding is not None:
             self.embedding = later.embedding
         for attr in ("finished", "finish_reason", "error", "error_status", "metrics"):

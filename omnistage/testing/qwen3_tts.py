@@ -51,7 +51,7 @@ PREDICTOR = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_
 # The speech tokenizer (as in tests/families/qwen3_tts/test_codec.py).
 CODEC_DECODER = dict(
     codebook_size=CODEBOOK, codebook_dim=16, latent_dim=32, hidden_size=32, intermediate_size=64,
-    num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2, num_quantizers=Q, sliding_window=8,
+    num_attention_heads=2, num_key_value_heads=2, head_dim=8, num_hidden_layers=2, num_quantizers=Q, sliding_window=8,
     decoder_dim=32, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2],
 )
 CODEC_ENCODER = dict(

@@ -6,7 +6,7 @@ A request arrives either unencoded (the engine encodes the prompts of the reques
 call) or with its conditioning from a separate encode stage (encoder.py); both give the same rows.
 Each `step()` runs ONE denoising step for every running request, so requests join at step boundaries and leave as
 soon as their schedule ends, never waiting for a batch to drain; rows of one forward may be at different steps of
-different schedules (the timestep and the Euler step are per row).
+different schedules (the timestep and the sampler's update are per request).
 
 Batching invariants:
 - The running batch holds requests of one group: the model's `batch_key` (the shapes one forward can stack:
@@ -17,6 +17,8 @@ Batching invariants:
   the ones behind it (no starvation).
 - With CFG (`cfg_scale(params)` not None) a request adds a negative branch: its rows again, with the negative
   conditioning, in the same forward, mixed by `combine` (by default neg + scale * (pos - neg)).
+- Each request has its own sampler (`schedule`): its timesteps and its update, which may keep state between
+  steps; the forward is shared, the update is per request.
 - Latents are drawn as diffusers' `prepare_latents` draws them for `torch.Generator("cpu").manual_seed(seed)`:
   one CPU normal draw of shape [n, *noise_shape] in the model's dtype, so the seed gives diffusers' image; the
   conditioning of a request's n images is its prompt's, repeated n times (`num_images_per_prompt`).
@@ -24,7 +26,8 @@ Batching invariants:
   takes effect at the next step boundary.
 
 Each step yields, per running request, a delta with `tensors["progress"] = [[steps done, steps]]` (int64) and
-`num_output_tokens` = steps done; the last also carries `tensors["images"]`: [n, H, W, 3] float32 in [0, 1].
+`num_output_tokens` = steps done; the last also carries the decoded rows, `tensors["images"]` ([n, H, W, 3] float32
+in [0, 1]) or under the model's `output_name`.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from omnistage.engine.diffusion.accelerate import Accelerator
 from omnistage.engine.diffusion.encoder import COND, PROMPT_TOKENS, UNCOND, branch, encode_requests, is_encoded
 from omnistage.engine.diffusion.lora import LoraKey, LoraManager
 from omnistage.engine.diffusion.params import DiffusionOptions, DiffusionParams
-from omnistage.engine.schedulers.flow_match import FlowMatch, Schedule
 from omnistage.errors import OmniError
 from omnistage.types import StageInput, StageOutput
 
@@ -66,7 +68,9 @@ class DiffusionModel(Protocol):
         """Requests with equal keys can share a forward (same latent and text shapes)."""
         ...
 
-    def schedule(self, params: DiffusionParams) -> Schedule: ...
+    def schedule(self, params: DiffusionParams) -> Sampler:
+        """A new sampler for one request (the flow-match `Schedule`, or a stateful multistep solver)."""
+        ...
 
     def noise_shape(self, params: DiffusionParams) -> tuple[int, ...]:
         """The shape of one image's initial noise, as diffusers draws it (before any packing)."""
@@ -91,11 +95,32 @@ class DiffusionModel(Protocol):
         ...
 
     def decode(self, latents: torch.Tensor, key: Hashable) -> torch.Tensor:
-        """Latent rows -> images [rows, H, W, 3] float32 in [0, 1] on the CPU."""
+        """Latent rows -> one output per row on the CPU: images [rows, H, W, 3] float32 in [0, 1] by default
+        (see `output_name`)."""
         ...
+
+    # Optional: `output_name`, the key of the decoded rows in the last delta's tensors ("images" if unset; e.g.
+    # "video" for [rows, F, H, W, 3], "audio" for [rows, channels, samples]).
 
     # Optional: `prompt_tokens(params, cond) -> int`, the text tokens of a request's positive prompt that the DiT
     # attends to, from its one conditioning row; outputs carry it as `num_prompt_tokens` (0 without it).
+
+
+class Sampler(Protocol):
+    """One request's sampler, made by `DiffusionModel.schedule` and used by that request alone, so it may keep
+    state between steps (a multistep solver's history, an SDE solver's generator)."""
+
+    timesteps: torch.Tensor  # [steps] float32 on the CPU: what the model is conditioned on at each step
+
+    @property
+    def num_steps(self) -> int: ...
+
+    def step(self, velocity: torch.Tensor, index: int, latents: torch.Tensor) -> torch.Tensor:
+        """The latents after step `index`, from the model's output for this request's rows."""
+        ...
+
+    # Optional: `init_noise_sigma` (float), the scale of the initial noise (1 if unset), and
+    # `model_input(latents, index) -> latents`, the scaling of the latents the model sees at step `index`.
 
 
 def cat_conditioning(conds: list[Conditioning]) -> Conditioning:
@@ -113,7 +138,7 @@ class _Job:
     request_id: str
     params: DiffusionParams
     key: Hashable
-    schedule: Schedule
+    schedule: Sampler
     cfg: float | None
     inputs: Inputs
     lora: LoraKey
@@ -147,6 +172,7 @@ class DiffusionEngine:
         # Optional hooks of the model: how CFG mixes the branches, how conditioning rows form a batch.
         self.combine = getattr(model, "combine", cfg_combine)
         self.collate = getattr(model, "collate", cat_conditioning)
+        self.output_name: str = getattr(model, "output_name", "images")
         self.waiting: dict[str, _Job] = {}  # arrival order
         self.running: dict[str, _Job] = {}  # admission order; one batch key
         self.failed: list[StageOutput] = []  # to hand out at the next step
@@ -250,6 +276,8 @@ class DiffusionEngine:
                 generator = torch.Generator("cpu").manual_seed(job.params.seed)
                 noise = torch.randn((job.rows, *self.model.noise_shape(job.params)), generator=generator,
                                     dtype=self.model.dtype)
+                sigma = getattr(job.schedule, "init_noise_sigma", 1.0)
+                noise = noise if sigma == 1.0 else noise * sigma
                 job.latents = self.model.pack(noise.to(self.model.device), job.key)
         except Exception as exc:  # a failed encode fails the requests it was for, not the stage
             logger.exception("stage %s: encoding failed", self.name)
@@ -276,13 +304,13 @@ class DiffusionEngine:
         for job in jobs:
             self._log_progress(job)
             tensors = {"progress": job.progress()}
-            if job.request_id in images:
+            finished = job.request_id in images
+            if finished:
                 del self.running[job.request_id]
-                tensors["images"] = images[job.request_id]
+                tensors[self.output_name] = images[job.request_id]
             outputs.append(StageOutput(job.request_id, self.name, tensors=tensors, num_output_tokens=job.done,
-                                       num_prompt_tokens=job.prompt_tokens,
-                                       finished="images" in tensors,
-                                       finish_reason="stop" if "images" in tensors else None))
+                                       num_prompt_tokens=job.prompt_tokens, finished=finished,
+                                       finish_reason="stop" if finished else None))
         return outputs
 
     def _step(self, jobs: list[_Job]) -> None:
@@ -294,28 +322,22 @@ class DiffusionEngine:
         def per_row(values: list[torch.Tensor], of: list[_Job]) -> torch.Tensor:
             return torch.cat([v.expand(job.rows) for v, job in zip(values, of, strict=True)])
 
-        latents = torch.cat([job.latents for job in jobs])
-        sigma = per_row([job.schedule.sigmas[job.done] for job in jobs], jobs)
-        sigma_next = per_row([job.schedule.sigmas[job.done + 1] for job in jobs], jobs)
+        inputs = {job.request_id: job.schedule.model_input(job.latents, job.done)
+                  if hasattr(job.schedule, "model_input") else job.latents for job in jobs}
         timesteps = per_row([job.schedule.timesteps[job.done] for job in jobs], jobs)
         guided = [job for job in jobs if job.cfg is not None]
-        model_latents = torch.cat([latents, *(job.latents for job in guided)])
+        model_latents = torch.cat([*inputs.values(), *(inputs[job.request_id] for job in guided)])
         if guided:
             timesteps = torch.cat([timesteps, per_row([job.schedule.timesteps[job.done] for job in guided], guided)])
         cond = self.collate([job.cond for job in jobs] + [job.uncond for job in guided])
         pred = self.model.velocity(model_latents, timesteps.to(device), cond, jobs[0].key)
-        velocity, start, neg = [], 0, len(latents)
+        start, neg = 0, sum(job.rows for job in jobs)
         for job in jobs:
-            pos = pred[start:start + job.rows]
+            velocity = pred[start:start + job.rows]
             if job.cfg is not None:
-                pos = self.combine(pos, pred[neg:neg + job.rows], job.cfg)
+                velocity = self.combine(velocity, pred[neg:neg + job.rows], job.cfg)
                 neg += job.rows
-            velocity.append(pos)
-            start += job.rows
-        latents = FlowMatch.step(latents, torch.cat(velocity), sigma, sigma_next)
-        start = 0
-        for job in jobs:
-            job.latents = latents[start:start + job.rows]
+            job.latents = job.schedule.step(velocity, job.done, job.latents)
             job.done += 1
             start += job.rows
 

@@ -38,6 +38,16 @@ class DiffusionParams:
     # Decode the VAE image by image (slicing) or in overlapping tiles (tiling): less memory, same image.
     vae_use_slicing: bool = False
     vae_use_tiling: bool = False
+    # Video models: frames and their rate; two-expert models (Wan2.2 A14B) switch from the high-noise to the
+    # low-noise expert at timestep boundary_ratio x train timesteps, which guides with guidance_scale_2.
+    num_frames: int | None = None
+    fps: int | None = None
+    guidance_scale_2: float | None = None
+    boundary_ratio: float | None = None
+    flow_shift: float | None = None  # the sampler's shift of its sigma grid (None: the scheduler config's)
+    # Audio models: where the clip starts and how long it is, in seconds.
+    audio_start: float | None = None
+    audio_length: float | None = None
 
     def as_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,7 +58,7 @@ class DiffusionParams:
 
     def check(self) -> DiffusionParams:
         """Range checks that need no model (RequestError names the field); an unset true_cfg_scale becomes 1."""
-        for name in ("width", "height", "num_inference_steps", "max_sequence_length"):
+        for name in ("width", "height", "num_inference_steps", "max_sequence_length", "num_frames", "fps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise RequestError(f"{name} must be a positive integer (got {value!r})", name)
@@ -58,6 +68,16 @@ class DiffusionParams:
             self.true_cfg_scale = 1.0
         if self.true_cfg_scale < 0 or (self.guidance_scale is not None and self.guidance_scale < 0):
             raise RequestError("guidance scales must not be negative", "guidance_scale")
+        if self.guidance_scale_2 is not None and self.guidance_scale_2 < 0:
+            raise RequestError("guidance scales must not be negative", "guidance_scale_2")
+        if self.boundary_ratio is not None and not 0 <= self.boundary_ratio <= 1:
+            raise RequestError(f"boundary_ratio must be in [0, 1] (got {self.boundary_ratio})", "boundary_ratio")
+        for name in ("flow_shift", "audio_length"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise RequestError(f"{name} must be positive (got {value})", name)
+        if self.audio_start is not None and self.audio_start < 0:
+            raise RequestError(f"audio_start must not be negative (got {self.audio_start})", "audio_start")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63) (got {self.seed})", "seed")
         if self.lora is not None:

@@ -61,6 +61,11 @@ class Schedule:
     def num_steps(self) -> int:
         return len(self.timesteps)
 
+    def step(self, velocity: torch.Tensor, index: int, latents: torch.Tensor) -> torch.Tensor:
+        """Step `index` of this grid for one request's rows (the engine's `Sampler` contract)."""
+        return FlowMatch.step(latents, velocity, self.sigmas[index].expand(len(latents)),
+                              self.sigmas[index + 1].expand(len(latents)))
+
 
 class FlowMatch:
     def __init__(self, config: FlowMatchConfig):

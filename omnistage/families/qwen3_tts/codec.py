@@ -34,7 +34,7 @@ _DECODER_FIELDS = (
     "codebook_size", "hidden_size", "max_position_embeddings", "rope_theta", "num_attention_heads",
     "num_key_value_heads", "attention_bias", "sliding_window", "intermediate_size", "hidden_act",
     "layer_scale_initial_scale", "rms_norm_eps", "num_hidden_layers", "num_quantizers", "upsample_rates",
-    "upsampling_ratios", "decoder_dim", "attention_dropout",
+    "upsampling_ratios", "decoder_dim", "attention_dropout", "head_dim",
 )  # fields shared with Qwen3OmniMoeCode2WavConfig; latent_dim and codebook_dim are this decoder's own
 
 
