@@ -110,7 +110,7 @@ class Sampler(Protocol):
     """One request's sampler, made by `DiffusionModel.schedule` and used by that request alone, so it may keep
     state between steps (a multistep solver's history, an SDE solver's generator)."""
 
-    timesteps: torch.Tensor  # [steps] float32 on the CPU: what the model is conditioned on at each step
+    timesteps: torch.Tensor  # [steps] on the CPU: what the model is conditioned on at each step
 
     @property
     def num_steps(self) -> int: ...
