@@ -138,7 +138,7 @@ class OmniOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    audio: np.ndarray | None = None  # mono float32 samples at `sample_rate`
+    audio: np.ndarray | None = None  # float32 at `sample_rate`: [samples] mono, or time-major [samples, channels]
     sample_rate: int | None = None
     images: list[Any] = field(default_factory=list)
     videos: list[np.ndarray] = field(default_factory=list)  # uint8 [frames, H, W, 3] each, at `fps`

@@ -156,6 +156,8 @@ def _serve(args: argparse.Namespace) -> int:
         enable_docs=args.enable_docs, metrics_without_auth=args.metrics_without_auth,
         max_queued_requests=args.max_queued_requests, max_connections=args.max_connections,
         body_timeout_s=args.body_timeout_s, shutdown_timeout_s=args.shutdown_timeout_s,
+        video_jobs_dir=args.video_jobs_dir, max_video_jobs=args.max_video_jobs,
+        video_jobs_max_bytes=int(args.video_jobs_max_gib * 2**30), video_jobs_max_age_s=args.video_jobs_max_age_s,
     )
     try:
         serve(load, sock, options, log_level=args.log_level)
@@ -270,6 +272,8 @@ def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out
 
 TEXT_DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni")
 TTS_ARCHS = ("qwen3_tts",)
+AUDIO_GENERATION_ARCHS = ("stable_audio",)  # diffusers layouts whose demo is POST /v1/audio/generate
+VIDEO_ARCHS = tuple(a for a, (module, _) in DIFFUSERS_LAYOUTS.items() if module == "wan")  # POST /v1/videos/sync
 TTS_VARIANTS = ("custom_voice", "voice_design", "base")
 DEMO_ARCHS = (*TEXT_DEMO_ARCHS, *DIFFUSERS_LAYOUTS, *TTS_ARCHS)
 TINY_ARCHS = DEMO_ARCHS  # every layout the tiny-checkpoint factory knows
@@ -304,6 +308,50 @@ def _image_demo(url: str, engine: Any, prompt: str, image_out: str) -> None:
                                      extra_body=extra)
     Path(image_out).write_bytes(base64.b64decode(out.data[0].b64_json))
     print(f"[{side}x{side} image in {(time.perf_counter() - start) * 1000:.0f} ms; wrote {image_out}]")
+
+
+def _audio_generation_demo(url: str, engine: Any, prompt: str, audio_out: str) -> None:
+    """One clip through `POST /v1/audio/generate` (a short one: random weights make noise at any length); the
+    wav goes to `audio_out`."""
+    import httpx
+
+    start = time.perf_counter()
+    resp = httpx.post(f"{url}/v1/audio/generate", timeout=300, json={
+        "model": engine.served_model_name, "input": prompt, "audio_length": min(1.0, engine.pipeline.max_audio_seconds),
+        "num_inference_steps": 4, "seed": 0, "response_format": "wav"})
+    if resp.status_code != 200:
+        raise ConfigError(f"/v1/audio/generate answered {resp.status_code}: {resp.text}")
+    Path(audio_out).write_bytes(resp.content)
+    seconds = resp.headers.get("x-usage-audio-seconds", "?")
+    print(f"[{seconds} s of audio at {engine.pipeline.audio_sample_rate} Hz in "
+          f"{(time.perf_counter() - start) * 1000:.0f} ms; wrote {audio_out}]")
+
+
+def _video_demo(url: str, engine: Any, prompt: str, video_out: str) -> None:
+    """One short clip through `POST /v1/videos/sync` (an image-to-video model animates a gradient the demo draws);
+    the mp4 goes to `video_out`."""
+    import io
+
+    import httpx
+    from PIL import Image
+
+    pipeline = engine.pipeline
+    side = pipeline.size_multiple * 2  # small: random weights draw noise at any size
+    form = {"model": engine.served_model_name, "prompt": prompt, "size": f"{side}x{side}", "num_frames": "9",
+            "fps": "8", "num_inference_steps": "4", "seed": "0"}
+    files = None
+    if pipeline.max_input_images:
+        source = Image.new("RGB", (side, side))
+        source.putdata([(x * 255 // side, y * 255 // side, 128) for y in range(side) for x in range(side)])
+        buffer = io.BytesIO()
+        source.save(buffer, format="PNG")
+        files = {"input_reference": ("input.png", buffer.getvalue(), "image/png")}
+    start = time.perf_counter()
+    resp = httpx.post(f"{url}/v1/videos/sync", data=form, files=files, timeout=600)
+    if resp.status_code != 200:
+        raise ConfigError(f"/v1/videos/sync answered {resp.status_code}: {resp.text}")
+    Path(video_out).write_bytes(resp.content)
+    print(f"[9 frames of {side}x{side} at 8 fps in {(time.perf_counter() - start) * 1000:.0f} ms; wrote {video_out}]")
 
 
 def _tts_demo(args: argparse.Namespace) -> int:
@@ -357,7 +405,14 @@ def _demo(args: argparse.Namespace) -> int:
         if args.ui:
             return _fail(ConfigError("--ui serves chat models; qwen3_tts runs the speech API demo (leave out --ui)"))
         return _tts_demo(args)
-    image = args.arch in DIFFUSERS_LAYOUTS
+    clip = args.arch in AUDIO_GENERATION_ARCHS
+    video = args.arch in VIDEO_ARCHS
+    image = args.arch in DIFFUSERS_LAYOUTS and not clip and not video
+    if video and args.ui:
+        return _fail(ConfigError("--ui serves chat models; video archs run the videos API demo (leave out --ui)"))
+    if clip and args.ui:
+        return _fail(ConfigError("--ui serves chat models; stable_audio runs the audio generation demo (leave out "
+                                 "--ui)"))
     if image and args.ui:
         return _fail(ConfigError("--ui serves chat models; image archs run the images API demo (leave out --ui)"))
     t_load = time.perf_counter()
@@ -368,8 +423,9 @@ def _demo(args: argparse.Namespace) -> int:
     except (OmniError, OSError) as exc:
         return _fail(exc)
     load_s = time.perf_counter() - t_load
+    noise = "image is noise" if image else "audio is noise" if clip else "video is noise" if video else None
     print(f"loaded tiny {args.arch} checkpoint from {engine.pipeline.model_path} in {load_s:.1f}s (random weights, "
-          f"so the {'image is noise' if image else 'answer is gibberish'})")
+          f"so the {noise or 'answer is gibberish'})")
     if args.ui:
         from omnistage.entrypoints.openai.ui import serve_ui_demo
 
@@ -382,7 +438,11 @@ def _demo(args: argparse.Namespace) -> int:
         with BackgroundServer(engine, port=args.port) as server:
             _wait_healthy(server.url)
             print(f"server up at {server.url}\n> {args.prompt}")
-            if image:
+            if clip:
+                _audio_generation_demo(server.url, engine, args.prompt, args.audio_out)
+            elif video:
+                _video_demo(server.url, engine, args.prompt, args.video_out)
+            elif image:
                 _image_demo(server.url, engine, args.prompt, args.image_out)
             elif "audio" in engine.output_modalities:
                 _stream_speech(server.url, engine.served_model_name, args.prompt, args.max_tokens, args.audio_out,
@@ -455,6 +515,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--voices-dir", metavar="DIR",
                        help="where uploaded TTS voices are kept (POST /v1/audio/voices; env OMNISTAGE_VOICES_DIR; "
                             "default ~/.cache/omnistage/voices)")
+    serve.add_argument("--video-jobs-dir", metavar="DIR",
+                       help="where /v1/videos jobs keep their records and mp4s, one server per directory "
+                            "(default: <temp dir>/omnistage-videos-<uid>)")
+    serve.add_argument("--max-video-jobs", type=int, default=16, metavar="N",
+                       help="unfinished /v1/videos jobs at once; beyond it 429")
+    serve.add_argument("--video-jobs-max-gib", type=float, default=10.0, metavar="GIB",
+                       help="finished videos kept on disk; beyond it the oldest are removed")
+    serve.add_argument("--video-jobs-max-age-s", type=float, default=86400.0, metavar="S",
+                       help="finished video jobs are removed this long after they finished")
     serve.add_argument("--allowed-local-media-path", metavar="DIR",
                        help="file:// media URLs may name files under this directory (media.allowed_local_path; "
                             "default: none)")
@@ -483,10 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "client")
     demo.add_argument("--arch", default="qwen2", choices=DEMO_ARCHS,
                       help="qwen2_5_omni: text and speech out (needs the `omni` extra); flux-dev, qwen-image, "
-                      "qwen-image-edit, z-image-turbo, ...: an image through the images API (needs diffusers)")
+                      "qwen-image-edit, z-image-turbo, ...: an image through the images API (needs diffusers); "
+                      "stable_audio: a clip through POST /v1/audio/generate")
     demo.add_argument("--image-out", default="omnistage-demo.png", help="image archs: where the image goes")
+    demo.add_argument("--video-out", default="omnistage-demo.mp4", help="wan2_2 archs: where the video goes")
     demo.add_argument("--audio-out", default="omnistage-demo.wav",
-                      help="qwen2_5_omni, qwen3_tts: where the speech goes")
+                      help="qwen2_5_omni, qwen3_tts: where the speech goes; stable_audio: the clip")
     demo.add_argument("--port", type=int, default=0, help="0: any free port")
     demo.add_argument("--prompt", default="Tell me about the river in the old town.")
     demo.add_argument("--max-tokens", type=int, default=32)

@@ -80,6 +80,7 @@ class ImagePipeline(Pipeline):
     # with a 400 rather than ignored.
     accepts_mask: ClassVar[bool] = False
     options_class: ClassVar[type[DiffusionOptions]] = DiffusionOptions  # `stages.dit.options`
+    output_modality: ClassVar[str] = "image"  # what the `dit` stage delivers ("video" for video families)
 
     @classmethod
     def build(cls, info: CheckpointInfo, deploy: DeployConfig) -> ImagePipeline:
@@ -89,7 +90,7 @@ class ImagePipeline(Pipeline):
         deploy.check_stages({ENCODE_STAGE: Advanced, STAGE: Advanced} if split else {STAGE: Advanced},
                             options={STAGE: cls.options_class})
         stages = [StageSpec(ENCODE_STAGE, "generation")] if split else []
-        pipeline = cls(info.path, deploy, [*stages, StageSpec(STAGE, "diffusion", outputs=("image",))])
+        pipeline = cls(info.path, deploy, [*stages, StageSpec(STAGE, "diffusion", outputs=(cls.output_modality,))])
         if split:
             pipeline.edges = [Edge(ENCODE_STAGE, STAGE, pipeline.encoded, streamed=False)]
         return pipeline

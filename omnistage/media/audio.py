@@ -5,6 +5,9 @@ libsndfile decodes (WAV, FLAC, MP3, OGG/Vorbis/Opus, AIFF, ...), channels are av
 "HQ" quality and the result has exactly ceil(n * rate / source_rate) samples. So the samples equal what HF's
 own loader feeds its feature extractors. Containers libsndfile cannot read (MP4/M4A/AAC, WebM, ...) are
 decoded with PyAV (FFmpeg) and then take the same downmix and resampling.
+
+Samples to encode are float32 [samples] (mono) or time-major [samples, channels] (e.g. stereo), so that a clip's
+pieces concatenate along axis 0 whatever its channels.
 """
 
 from __future__ import annotations
@@ -24,15 +27,17 @@ _OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 
 
 def resample(samples: np.ndarray, source_rate: int, rate: int) -> np.ndarray:
-    """Mono float32 `samples` from `source_rate` to `rate` (soxr HQ), exactly ceil(n * rate / source_rate) long."""
+    """Float32 `samples` ([n] mono or [n, channels]) from `source_rate` to `rate` (soxr HQ), exactly
+    ceil(n * rate / source_rate) long."""
     samples = np.ascontiguousarray(samples, dtype=np.float32)
     if source_rate == rate:
         return samples
     import soxr
 
-    length = math.ceil(samples.shape[-1] * rate / source_rate)
+    length = math.ceil(samples.shape[0] * rate / source_rate)
     out = soxr.resample(samples, source_rate, rate, quality="soxr_hq")
-    return np.ascontiguousarray(np.pad(out, (0, max(0, length - len(out))))[:length], dtype=np.float32)
+    pad = [(0, max(0, length - len(out)))] + [(0, 0)] * (out.ndim - 1)
+    return np.ascontiguousarray(np.pad(out, pad)[:length], dtype=np.float32)
 
 
 def _downmix(samples: np.ndarray) -> np.ndarray:
@@ -161,19 +166,28 @@ def encodable_formats() -> tuple[str, ...]:
     return tuple(f for f in ENCODE_FORMATS if f == "pcm16" or usable[f] in have)
 
 
+def as_frames(samples: Any) -> np.ndarray:
+    """float32 samples clipped to [-1, 1]: [n] for mono (any 1-channel shape), else time-major [n, channels]."""
+    if hasattr(samples, "detach"):
+        samples = samples.detach().float().cpu().numpy()
+    samples = np.asarray(samples, dtype=np.float32)
+    if samples.ndim != 2 or samples.shape[1] == 1:
+        samples = samples.reshape(-1)
+    return np.clip(samples, -1.0, 1.0)
+
+
 def encode_audio(samples: Any, rate: int, fmt: str) -> bytes:
-    """Encode mono float samples (clipped to [-1, 1]) as `fmt`: "wav" (16-bit PCM), "flac" (16-bit), "mp3",
-    "opus" (Ogg Opus; resampled to 48 kHz unless `rate` is one Opus supports) or "pcm16" (headerless 16-bit
-    little-endian). An unknown or unavailable format is a 400 naming the ones that work."""
+    """Encode float samples (mono [n] or [n, channels], clipped to [-1, 1]) as `fmt`: "wav" (16-bit PCM), "flac"
+    (16-bit), "mp3", "opus" (Ogg Opus; resampled to 48 kHz unless `rate` is one Opus supports) or "pcm16"
+    (headerless 16-bit little-endian, channels interleaved). An unknown or unavailable format is a 400 naming the
+    ones that work."""
     fmt = (fmt or "").lower().strip()
     if fmt not in encodable_formats():
         raise RequestError(
             f"audio format {fmt!r} is not supported here; use one of: {', '.join(encodable_formats())}",
             "audio.format",
         )
-    if hasattr(samples, "detach"):
-        samples = samples.detach().float().cpu().numpy()
-    samples = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
+    samples = as_frames(samples)
     if fmt == "pcm16":
         return np.round(samples * 32767.0).astype("<i2").tobytes()
     import soundfile as sf
@@ -188,4 +202,32 @@ def encode_audio(samples: Any, rate: int, fmt: str) -> bytes:
         sf.write(buffer, samples, rate, format=container, subtype=subtype)
     except Exception as exc:  # e.g. an mp3 sample rate the encoder lacks
         raise RequestError(f"could not encode audio as {fmt} at {rate} Hz: {exc}", "audio.format") from None
+    return buffer.getvalue()
+
+
+def aac_encodable() -> bool:
+    """Whether PyAV (FFmpeg) here has an AAC encoder (libsndfile has none)."""
+    try:
+        import av
+    except ImportError:
+        return False
+    return "aac" in av.codecs_available
+
+
+def encode_aac(samples: Any, rate: int) -> bytes:
+    """ADTS AAC of float samples (mono [n] or [n, channels], clipped to [-1, 1]) through PyAV."""
+    import av
+
+    frames = as_frames(samples)
+    planar = frames[None] if frames.ndim == 1 else np.ascontiguousarray(frames.T)  # [channels, n]
+    layout = {1: "mono", 2: "stereo"}.get(planar.shape[0])
+    if layout is None:
+        raise RequestError(f"aac takes mono or stereo audio (got {planar.shape[0]} channels)", "response_format")
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="adts") as out:
+        stream = out.add_stream("aac", rate=rate, layout=layout)
+        frame = av.AudioFrame.from_ndarray(planar, format="fltp", layout=layout)
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            out.mux(packet)
     return buffer.getvalue()

@@ -1,9 +1,14 @@
-"""Video: encoded bytes -> evenly sampled RGB frames, and the audio track when asked (PyAV / FFmpeg)."""
+"""Video: encoded bytes -> evenly sampled RGB frames, and the audio track when asked; and generated frames (plus
+an optional audio track) -> an mp4 (H.264 yuv420p, AAC). PyAV / FFmpeg."""
 
 from __future__ import annotations
 
 import io
+import tempfile
 from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -13,6 +18,8 @@ from omnistage.media.image import DEFAULT_MAX_PIXELS
 from omnistage.media.source import bad_media, over_limit
 
 DEFAULT_MAX_VIDEO_PIXELS = 128 * 2**20  # LimitsConfig.max_video_pixels
+# The sample rates FFmpeg's AAC encoder takes; audio at another rate is resampled to 48 kHz first.
+AAC_RATES = (7350, 8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
 
 
 @dataclass
@@ -126,3 +133,78 @@ def decode_video(
         raise bad_media(part, f"could not decode the video: {exc}") from None
     sampled_fps = len(frames) / duration if duration > 0 else fps
     return Video(np.stack(frames), sampled_fps, duration, audio, audio_rate if with_audio else None)
+
+
+def encode_mp4(frames: np.ndarray, fps: float, audio: np.ndarray | None = None, sample_rate: int | None = None,
+               **options: Any) -> bytes:
+    """`write_mp4`'s file as bytes."""
+    with tempfile.TemporaryDirectory(prefix="omnistage-mp4-") as tmp:
+        path = Path(tmp) / "video.mp4"
+        write_mp4(path, frames, fps, audio, sample_rate, **options)
+        return path.read_bytes()
+
+
+def write_mp4(path: str | Path, frames: np.ndarray, fps: float, audio: np.ndarray | None = None,
+              sample_rate: int | None = None, *, crf: int = 18, preset: str = "medium") -> None:
+    """uint8 RGB `frames` [F, H, W, 3] at `fps` -> an mp4 at `path`: H.264 (libx264, yuv420p, constant quality
+    `crf`: 0 is lossless in luma, 18 visually lossless, 23 x264's default) with its index up front (`faststart`:
+    players start before the whole file has arrived; FFmpeg rewrites the file for it, so this takes a path, not a
+    stream). yuv420p needs even sides: an odd width or height gets one more column or row, a copy of the last.
+    `audio` (float32 in [-1, 1], mono [n] or [channels, n] with 1-2 channels, at `sample_rate`) becomes an AAC
+    track."""
+    import av
+
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or not len(frames):
+        raise ValueError(f"frames must be uint8 [F, H, W, 3] with F >= 1 (got {frames.dtype} {frames.shape})")
+    if not fps > 0:
+        raise ValueError(f"fps must be positive (got {fps})")
+    pad = ((0, 0), (0, frames.shape[1] % 2), (0, frames.shape[2] % 2), (0, 0))
+    if any(p for _, p in pad):
+        frames = np.pad(frames, pad, mode="edge")
+    rate = Fraction(fps).limit_denominator(1001)
+    with av.open(str(path), mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
+        video = container.add_stream("libx264", rate=rate)
+        video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        video.options = {"crf": str(crf), "preset": preset}
+        sound = None
+        if audio is not None:
+            samples, sample_rate = _audio_planes(audio, sample_rate)
+            sound = container.add_stream("aac", rate=sample_rate)
+            sound.layout = "stereo" if samples.shape[0] == 2 else "mono"
+        for i, rgb in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+            frame.pts = i
+            container.mux(video.encode(frame))
+        container.mux(video.encode())
+        if sound is not None:
+            frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout=sound.layout.name)
+            frame.sample_rate, frame.pts = sample_rate, 0
+            container.mux(sound.encode(frame))  # the encoder cuts it into AAC frames
+            container.mux(sound.encode())
+
+
+def _audio_planes(audio: np.ndarray, sample_rate: int | None) -> tuple[np.ndarray, int]:
+    """`audio` as float32 planes [channels, n] at a rate AAC takes."""
+    from omnistage.media.audio import resample
+
+    samples = np.asarray(audio, dtype=np.float32)
+    samples = samples[None] if samples.ndim == 1 else samples
+    if samples.ndim != 2 or samples.shape[0] not in (1, 2) or not samples.shape[1]:
+        raise ValueError(f"audio must be [n] or [channels, n] with 1 or 2 channels (got {samples.shape})")
+    if not sample_rate or sample_rate <= 0:
+        raise ValueError(f"audio needs its positive sample_rate (got {sample_rate})")
+    if sample_rate not in AAC_RATES:
+        samples, sample_rate = np.stack([resample(c, sample_rate, 48000) for c in samples]), 48000
+    return np.ascontiguousarray(np.clip(samples, -1, 1)), sample_rate
+
+
+def video_thumbnail(path: str | Path, fmt: str = "webp") -> bytes:
+    """The first frame of the video at `path` as an image file (WebP, as OpenAI's videos API serves thumbnails)."""
+    import av
+
+    with av.open(str(path)) as container:
+        image = next(container.decode(video=0)).to_image()
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt.upper())
+    return buffer.getvalue()

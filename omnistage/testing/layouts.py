@@ -10,4 +10,9 @@ DIFFUSERS_LAYOUTS: dict[str, tuple[str, str]] = {
     "qwen-image-edit-plus": ("qwen_image", "edit-plus"),
     "z-image": ("z_image", "base"),
     "z-image-turbo": ("z_image", "turbo"),
+    "wan2_2_t2v": ("wan", "t2v"),
+    "wan2_2_i2v": ("wan", "i2v"),
+    "wan2_2_ti2v": ("wan", "ti2v"),
+    "wan2_2": ("wan", "ti2v"),  # the demo's Wan2.2: the one-DiT TI2V-5B layout
+    "stable_audio": ("stable_audio", "open-1.0"),
 }

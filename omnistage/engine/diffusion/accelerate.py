@@ -11,6 +11,9 @@ start-up. Each either takes effect or raises ConfigError saying why it cannot fo
 - cpu_offload: the model's modules stay in CPU memory and are streamed to the GPU block by block (diffusers'
   group offloading), for GPUs smaller than the model.
 - attention_backend: diffusers' attention dispatcher backend for the DiT.
+
+A model with several DiTs (two-expert video models) lists them as `transformers`; every switch applies to each of
+them, or is refused: step caching is, since its cache follows one DiT through one sequence of steps.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Accelerator:
     def __init__(self, model: Any, options: DiffusionOptions, stage: str):
         self.model, self.options, self.stage = model, options, stage
         self.transformer: torch.nn.Module | None = getattr(model, "transformer", None)
+        self.transformers: list[torch.nn.Module] = list(getattr(model, "transformers", None) or
+                                                        ([self.transformer] if self.transformer is not None else []))
         self.cohorts = options.cache is not None  # see the module docstring
         device = torch.device(model.device)
         wanted = [name for name in ("compile", "cache", "quantization", "cpu_offload", "attention_backend")
@@ -45,15 +50,20 @@ class Accelerator:
             self._fp8(device)
         if options.attention_backend is not None:
             try:
-                self.transformer.set_attention_backend(options.attention_backend)
+                for transformer in self.transformers:
+                    transformer.set_attention_backend(options.attention_backend)
             except Exception as exc:
                 raise self._refuse("attention_backend", str(exc)) from None
         if options.cache is not None:
+            if len(self.transformers) > 1:
+                raise self._refuse("cache", f"this model has {len(self.transformers)} DiTs (experts) taking turns over "
+                                   "the steps; step caching follows one DiT through all of them")
             self._cache(options.cache)
         if options.compile:
-            if not getattr(self.transformer, "_repeated_blocks", None):
-                raise self._refuse("compile", f"{type(self.transformer).__name__} declares no repeated blocks")
-            self.transformer.compile_repeated_blocks(fullgraph=True)
+            for transformer in self.transformers:
+                if not getattr(transformer, "_repeated_blocks", None):
+                    raise self._refuse("compile", f"{type(transformer).__name__} declares no repeated blocks")
+                transformer.compile_repeated_blocks(fullgraph=True)
         if options.cpu_offload:
             self._offload(device)
 
@@ -67,7 +77,8 @@ class Accelerator:
             from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
         except ImportError:
             raise self._refuse("quantization", "fp8 needs torchao (pip install 'omnistage[accel]')") from None
-        quantize_(self.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+        for transformer in self.transformers:
+            quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
 
     def _cache(self, config: dict[str, Any]) -> None:
         try:

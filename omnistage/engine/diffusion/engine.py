@@ -27,7 +27,7 @@ Batching invariants:
 
 Each step yields, per running request, a delta with `tensors["progress"] = [[steps done, steps]]` (int64) and
 `num_output_tokens` = steps done; the last also carries the decoded rows, `tensors["images"]` ([n, H, W, 3] float32
-in [0, 1]) or under the model's `output_name`.
+in [0, 1]) or under the model's `output_name`, and a video request's `tensors["fps"]` (int64 [1], its `fps`).
 """
 
 from __future__ import annotations
@@ -105,6 +105,13 @@ class DiffusionModel(Protocol):
     # Optional: `prompt_tokens(params, cond) -> int`, the text tokens of a request's positive prompt that the DiT
     # attends to, from its one conditioning row; outputs carry it as `num_prompt_tokens` (0 without it).
 
+    # Optional: `cfg_scale_at(params, timestep) -> float`, the CFG scale of the step at `timestep` when it varies
+    # over the schedule (a two-expert model guides each expert with its own scale); `cfg_scale` still decides
+    # whether the request runs a negative branch at all.
+
+    # Optional: `final_latents(latents, cond) -> latents`, what a finished request decodes from its last latents
+    # and its (positive) conditioning rows, e.g. a conditioning frame kept out of the denoising.
+
 
 class Sampler(Protocol):
     """One request's sampler, made by `DiffusionModel.schedule` and used by that request alone, so it may keep
@@ -172,6 +179,8 @@ class DiffusionEngine:
         # Optional hooks of the model: how CFG mixes the branches, how conditioning rows form a batch.
         self.combine = getattr(model, "combine", cfg_combine)
         self.collate = getattr(model, "collate", cat_conditioning)
+        self.cfg_at = getattr(model, "cfg_scale_at", None)  # a CFG scale per step (two-expert models)
+        self.final_latents = getattr(model, "final_latents", None)
         self.output_name: str = getattr(model, "output_name", "images")
         self.waiting: dict[str, _Job] = {}  # arrival order
         self.running: dict[str, _Job] = {}  # admission order; one batch key
@@ -308,6 +317,8 @@ class DiffusionEngine:
             if finished:
                 del self.running[job.request_id]
                 tensors[self.output_name] = images[job.request_id]
+                if job.params.fps is not None:  # a video's frame rate travels with its frames
+                    tensors["fps"] = torch.tensor([job.params.fps], dtype=torch.int64)
             outputs.append(StageOutput(job.request_id, self.name, tensors=tensors, num_output_tokens=job.done,
                                        num_prompt_tokens=job.prompt_tokens, finished=finished,
                                        finish_reason="stop" if finished else None))
@@ -335,7 +346,9 @@ class DiffusionEngine:
         for job in jobs:
             velocity = pred[start:start + job.rows]
             if job.cfg is not None:
-                velocity = self.combine(velocity, pred[neg:neg + job.rows], job.cfg)
+                timestep = float(job.schedule.timesteps[job.done])
+                scale = job.cfg if self.cfg_at is None else self.cfg_at(job.params, timestep)
+                velocity = self.combine(velocity, pred[neg:neg + job.rows], scale)
                 neg += job.rows
             job.latents = job.schedule.step(velocity, job.done, job.latents)
             job.done += 1
@@ -353,7 +366,9 @@ class DiffusionEngine:
             vae = getattr(self.model, "vae", None)
             if vae is not None and hasattr(vae, "use_tiling"):
                 vae.use_tiling, vae.use_slicing = tiling, slicing
-            images, start = self.model.decode(torch.cat([job.latents for job in group]), group[0].key), 0
+            latents = [job.latents if self.final_latents is None else self.final_latents(job.latents, job.cond)
+                       for job in group]
+            images, start = self.model.decode(torch.cat(latents), group[0].key), 0
             for job in group:
                 out[job.request_id] = images[start:start + job.rows]
                 start += job.rows

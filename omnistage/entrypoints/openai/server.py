@@ -111,6 +111,12 @@ class ServerOptions:
     max_connections: int = 2048
     body_timeout_s: float = 30.0
     shutdown_timeout_s: float = 30.0
+    # /v1/videos jobs: where their records and videos are kept (None: video_jobs.default_jobs_dir()), how many
+    # may be unfinished at once (beyond it 429), and when finished ones are removed (oldest first)
+    video_jobs_dir: str | None = None
+    max_video_jobs: int = 16
+    video_jobs_max_bytes: int = 10 * 2**30
+    video_jobs_max_age_s: float = 86400.0
 
 
 # ---------------------------------------------------------------- errors
@@ -622,11 +628,14 @@ def build_app(engine: AsyncOmni | None, api_key: str | None = None,
     app.state.engine = None
     _install_error_handlers(app)
     from omnistage.entrypoints.openai import audio, embeddings, images, speech  # (they import this module's helpers)
+    from omnistage.entrypoints.openai.audio_generate import router as audio_generate_router
+    from omnistage.entrypoints.openai.videos import router as videos_router
 
     app.include_router(images.chat_router)  # chat completions of an image model; matches only for one
     app.include_router(router)
     app.include_router(metrics_router)
-    for extra in (audio.router, embeddings.router, images.router, speech.router, ui_router):
+    for extra in (audio.router, embeddings.router, images.router, speech.router, videos_router, audio_generate_router,
+                  ui_router):
         app.include_router(extra)
     # add_middleware wraps: the last added runs first (CORS answers preflights before any key is asked for)
     app.add_middleware(CatchAll)

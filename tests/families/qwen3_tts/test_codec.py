@@ -15,8 +15,8 @@ from . import reference
 Q, SIZE, WINDOW = 4, 32, 8  # codebooks, codebook size, decoder attention window (frames)
 DECODER = dict(
     codebook_size=SIZE, codebook_dim=16, latent_dim=32, hidden_size=32, intermediate_size=64,
-    num_attention_heads=2, num_key_value_heads=2, head_dim=8, num_hidden_layers=2, num_quantizers=Q, sliding_window=WINDOW,
-    decoder_dim=32, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2],
+    num_attention_heads=2, num_key_value_heads=2, head_dim=8, num_hidden_layers=2, num_quantizers=Q,
+    sliding_window=WINDOW, decoder_dim=32, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2],
 )
 ENCODER = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
