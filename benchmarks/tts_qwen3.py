@@ -280,6 +280,45 @@ def omnistage_side(path: Path, args: argparse.Namespace, levels: list[int], reco
         engine.shutdown()
 
 
+def profile_side(path: Path, args: argparse.Namespace, record: Any) -> None:
+    """One c=1 request under torch.profiler, stages inline (one process, so CUPTI sees every kernel): wall and GPU
+    kernel time per frame, kernel launches per frame, and the top ops to `--profile DIR`."""
+    import asyncio
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from omnistage.entrypoints.async_omni import AsyncOmni
+
+    device = "cpu" if args.tiny else "0"
+    engine = AsyncOmni.from_model(path, {"worker_backend": "inline", "stages": {"*": {"devices": device}}})
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    voice = speakers(path)[0]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    async def run() -> tuple[Any, dict, float]:
+        await one_request(engine, "warm", voice, args.frames, time.perf_counter())
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            got = await one_request(engine, "profiled", voice, args.frames, start)
+            return prof, got, time.perf_counter() - start
+
+    try:
+        prof, got, wall = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_s = sum(e.self_device_time_total for e in kernels) / 1e6
+    launches = sum(e.count for e in kernels)
+    for key in ("self_cpu_time_total", "self_device_time_total"):
+        (out / f"tts_profile_{key}.txt").write_text(events.table(sort_by=key, row_limit=40))
+    record(side="omnistage profile", level=1, frames=args.frames, wall_s=_r(wall), ttfp_s=_r(got["ttfp"]),
+           wall_ms_per_frame=_r(1000 * wall / args.frames), gpu_kernel_ms_per_frame=_r(1000 * gpu_s / args.frames),
+           kernel_launches_per_frame=_r(launches / args.frames), transformers=_transformers())
+
+
 # ---------------------------------------------------------------- output
 
 
@@ -342,6 +381,7 @@ def main() -> None:
     ap.add_argument("--stop-after", type=float, default=0.0, help="start no further part (reference, omnistage, "
                     "each window pair) once this many seconds have passed since the start; 0: no limit")
     ap.add_argument("--out", help="append JSON rows to this .jsonl")
+    ap.add_argument("--profile", help="only profile one c=1 request (stages inline) and write op tables to this dir")
     ap.add_argument("--reference-worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.reference_worker:
@@ -367,6 +407,10 @@ def main() -> None:
             record(side=part, skipped=f"past --stop-after {args.stop_after:g}s")
         return not late
 
+    if args.profile:
+        profile_side(path, args, record)
+        print(table(rows))
+        return
     if not args.skip_reference and may_start("qwen-tts"):
         reference_side(path, args, ref_levels, record)
     if may_start("omnistage"):
