@@ -11,7 +11,8 @@ dir=${1:-.whl}
 python=${2:-python3}
 names=(transformers huggingface-hub hf-xet tokenizers kernels tomlkit regex fastapi starlette opentelemetry-api uvicorn pydantic pydantic_core annotated-types
        typing-inspection msgspec pyzmq openai httpx2 httpcore2 truststore jiter sniffio soundfile cffi pycparser
-       soxr av pytest-asyncio python-multipart xgrammar apache-tvm-ffi diffusers peft accelerate psutil cache-dit torchao)
+       soxr av pytest-asyncio python-multipart xgrammar apache-tvm-ffi diffusers peft accelerate psutil cache-dit torchao
+       ftfy wcwidth torchsde trampoline)  # the last line: Wan's prompt cleaning, Stable Audio's SDE scheduler
 if [[ ${WITH_RAY:-0} == 1 ]]; then
   names+=(ray jsonschema jsonschema-specifications referencing rpds-py)
 fi
