@@ -13,7 +13,7 @@ import torch
 from openai_helpers import CHAT, Served, assert_openai_error
 
 from omnistage.entrypoints.openai.embeddings import router
-from omnistage.entrypoints.openai.server import BackgroundServer
+from omnistage.entrypoints.openai.server import BackgroundServer, ServerOptions
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +80,21 @@ def test_bad_requests(real_served: Served) -> None:
     assert_openai_error(http.post("/v1/embeddings", json={"model": real_served.model, "input": "x",
                                                           "dimensions": 3}), 400, "dimensions")
     assert_openai_error(http.post("/v1/embeddings", json={"model": real_served.model, "input": [10**9]}), 400)
+
+
+def test_inputs_count_against_the_admission_limit(tiny_qwen2: str) -> None:
+    """Each input is a generation the server admits: more inputs than it runs at once is a 400 saying so, and
+    a request that fits is served (and released: a second one fits too)."""
+    from omnistage.entrypoints.async_omni import AsyncOmni
+
+    engine = AsyncOmni.from_model(tiny_qwen2, {"stages": {"lm": {"dtype": "float32"}}}, served_model_name="m")
+    try:
+        with BackgroundServer(engine, options=ServerOptions(max_queued_requests=2)) as server:
+            server.server.config.app.include_router(router)
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            with pytest.raises(openai.BadRequestError, match="at most 2 at once"):
+                client.embeddings.create(model="m", input=["a", "b", "c"])
+            for _ in range(2):
+                assert len(client.embeddings.create(model="m", input=["a", "b"]).data) == 2
+    finally:
+        engine.shutdown()

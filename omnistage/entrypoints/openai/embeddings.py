@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, field_validator
 
 from omnistage.entrypoints.openai.protocol import _Strict
-from omnistage.entrypoints.openai.serving import Fanout, check_model, collect
+from omnistage.entrypoints.openai.serving import check_model, run_admitted
 from omnistage.errors import RequestError
 from omnistage.types import OmniRequest
 
@@ -58,8 +58,6 @@ def _encoded(vector: np.ndarray, fmt: str) -> list[float] | str:
 
 @router.post("/v1/embeddings", response_model=None)
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    from omnistage.entrypoints.openai.server import ClientGone, unless_disconnected
-
     engine = request.app.state.engine
     model = check_model(request.app.state.model_names, body.model)
     pipeline = getattr(engine, "pipeline", None)
@@ -68,12 +66,9 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     rid = f"embd-{uuid.uuid4().hex}"
     prompts = body.prompts()
     requests = [OmniRequest(request_id=f"{rid}-{i}", options={"embed": True}, **p) for i, p in enumerate(prompts)]
-    fan = Fanout(engine, requests)
-    try:
-        await unless_disconnected(request, fan.start())
-        outputs = await unless_disconnected(request, collect(fan))
-    except ClientGone:
-        return Response(status_code=499)
+    outputs = await run_admitted(request, requests)  # admitted like every generation: 429 over the limit
+    if isinstance(outputs, Response):  # the client left (499)
+        return outputs
     size = len(outputs[0].embedding)
     if body.dimensions is not None and body.dimensions != size:
         raise RequestError(f"this model's embeddings have {size} dimensions; omit 'dimensions' or send {size}",
