@@ -175,6 +175,10 @@ def _make_tiny(args: argparse.Namespace) -> int:
         from omnistage.testing.qwen2_5_omni import make_tiny_qwen2_5_omni
 
         print(make_tiny_qwen2_5_omni(args.out_dir))
+    elif args.arch == "qwen3_omni_moe":
+        from omnistage.testing.qwen3_omni_moe import make_tiny_qwen3_omni_moe
+
+        print(make_tiny_qwen3_omni_moe(args.out_dir))
     elif args.arch in DIFFUSERS_LAYOUTS:
         from omnistage.testing.factory import make_tiny_diffusers
 
@@ -270,7 +274,7 @@ def _stream_speech(url: str, model: str, prompt: str, max_tokens: int, audio_out
           f"total {total * 1000:.0f} ms; wrote {audio_out}]")
 
 
-TEXT_DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni")
+TEXT_DEMO_ARCHS = (*CAUSAL_LM_ARCHS, "qwen2_5_omni", "qwen3_omni_moe")
 TTS_ARCHS = ("qwen3_tts",)
 AUDIO_GENERATION_ARCHS = ("stable_audio",)  # diffusers layouts whose demo is POST /v1/audio/generate
 VIDEO_ARCHS = tuple(a for a, (module, _) in DIFFUSERS_LAYOUTS.items() if module == "wan")  # POST /v1/videos/sync
@@ -551,13 +555,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="serve a tiny model and chat with it (or draw with it) through the OpenAI "
                           "client")
     demo.add_argument("--arch", default="qwen2", choices=DEMO_ARCHS,
-                      help="qwen2_5_omni: text and speech out (needs the `omni` extra); flux-dev, qwen-image, "
-                      "qwen-image-edit, z-image-turbo, ...: an image through the images API (needs diffusers); "
-                      "stable_audio: a clip through POST /v1/audio/generate")
+                      help="qwen2_5_omni, qwen3_omni_moe: text and speech out (needs the `omni` extra); flux-dev, "
+                      "qwen-image, qwen-image-edit, z-image-turbo, ...: an image through the images API (needs "
+                      "diffusers); stable_audio: a clip through POST /v1/audio/generate")
     demo.add_argument("--image-out", default="omnistage-demo.png", help="image archs: where the image goes")
     demo.add_argument("--video-out", default="omnistage-demo.mp4", help="wan2_2 archs: where the video goes")
     demo.add_argument("--audio-out", default="omnistage-demo.wav",
-                      help="qwen2_5_omni, qwen3_tts: where the speech goes; stable_audio: the clip")
+                      help="qwen2_5_omni, qwen3_omni_moe, qwen3_tts: where the speech goes; stable_audio: the clip")
     demo.add_argument("--port", type=int, default=0, help="0: any free port")
     demo.add_argument("--prompt", default="Tell me about the river in the old town.")
     demo.add_argument("--max-tokens", type=int, default=32)

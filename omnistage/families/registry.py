@@ -22,14 +22,15 @@ def _families() -> list[Family]:
     from omnistage.families.causal_lm import CausalLMFamily
     from omnistage.families.flux import FluxFamily
     from omnistage.families.qwen2_5_omni import Qwen25OmniFamily
+    from omnistage.families.qwen3_omni_moe import Qwen3OmniMoeFamily
     from omnistage.families.qwen3_tts import Qwen3TTSFamily
     from omnistage.families.qwen_image import QwenImageFamily
     from omnistage.families.stable_audio import StableAudioFamily
     from omnistage.families.wan import WanFamily
     from omnistage.families.z_image import ZImageFamily
 
-    return [*_extra_families, *_plugin_families(), Qwen25OmniFamily(), Qwen3TTSFamily(), FluxFamily(),
-            QwenImageFamily(), ZImageFamily(), StableAudioFamily(), WanFamily(), CausalLMFamily()]
+    return [*_extra_families, *_plugin_families(), Qwen25OmniFamily(), Qwen3OmniMoeFamily(), Qwen3TTSFamily(),
+            FluxFamily(), QwenImageFamily(), ZImageFamily(), StableAudioFamily(), WanFamily(), CausalLMFamily()]
 
 
 _extra_families: list[Family] = []

@@ -171,7 +171,7 @@ def make_tiny_diffusers(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
 def tiny_checkpoint(arch: str = "qwen2", seed: int = 0) -> Path:
     """Return a cached tiny checkpoint dir, built atomically (tmp dir + rename): safe for concurrent callers.
 
-    `arch`: a causal-LM arch ("qwen2", "qwen3", "llama"), "qwen2_5_omni" (see testing/qwen2_5_omni.py) or a
+    `arch`: a causal-LM arch ("qwen2", "qwen3", "llama"), "qwen2_5_omni" or "qwen3_omni_moe" (testing/<arch>.py), a
     diffusers layout of `DIFFUSERS_LAYOUTS` ("flux-dev", "qwen-image", "z-image-turbo", ...).
 
     Cache root: $OMNISTAGE_CACHE (default ~/.cache/omnistage/tiny); entries are keyed by the factory version of
@@ -183,6 +183,10 @@ def tiny_checkpoint(arch: str = "qwen2", seed: int = 0) -> Path:
         from omnistage.testing.qwen2_5_omni import OMNI_FACTORY_VERSION, make_tiny_qwen2_5_omni
 
         version, make = OMNI_FACTORY_VERSION, lambda out: make_tiny_qwen2_5_omni(out, seed=seed)
+    elif arch == "qwen3_omni_moe":
+        from omnistage.testing import qwen3_omni_moe
+
+        version, make = qwen3_omni_moe.FACTORY_VERSION, lambda out: qwen3_omni_moe.make_tiny_qwen3_omni_moe(out, seed)
     elif arch in DIFFUSERS_LAYOUTS:
         version = importlib.import_module(f"omnistage.testing.{DIFFUSERS_LAYOUTS[arch][0]}").FACTORY_VERSION
         marker, make = "model_index.json", lambda out: make_tiny_diffusers(arch, out, seed)

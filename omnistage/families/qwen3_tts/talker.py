@@ -77,7 +77,8 @@ class CodePredictor(nn.Module):
 
     Input position 0 is the talker state h, 1 is C(c0) (the talker's codec embedding), k+1 is E_k(c_k); every
     input goes through `small_to_mtp_projection` first; `lm_head[k]` at position k+1 predicts c_{k+1}. K/V of
-    the frame sit in `_scratch` [layers, 2, rows, kv_heads, Q, head_dim]; it only grows (to the largest batch)."""
+    the frame sit in `_scratch` [layers, 2, rows, kv_heads, Q, head_dim]; it only grows (to the largest batch).
+    Qwen3-Omni's talker has the same code predictor (parameter names too): that family loads it from here."""
 
     def __init__(self, cfg: dict[str, Any], talker_hidden: int) -> None:
         super().__init__()
@@ -326,14 +327,14 @@ class TalkerLM(hf.HFCausalLM):
                      generators: list[torch.Generator | None]) -> SampleExtras:
         """The code predictor for the step's frames (batched over rows, one pass per codebook). Rows whose c0 is
         eos get codes too (their frame is dropped by the engine with the stop token)."""
-        draw = _subtalker_draw([x.get("subtalker", _SUBTALKER_DEFAULT) for x in inputs], generators,
-                               self.cfg["code_predictor_config"]["vocab_size"], hidden.device)
+        draw = subtalker_draw([x.get("subtalker", _SUBTALKER_DEFAULT) for x in inputs], generators,
+                              self.cfg["code_predictor_config"]["vocab_size"], hidden.device)
         codes, embed_sum = self.talker.code_predictor.predict(hidden, self.embed(tokens), draw)
         return SampleExtras(next_adds=embed_sum, outputs={"codes": torch.cat([tokens[:, None], codes], dim=1)})
 
 
-def _subtalker_draw(rows: list[torch.Tensor], generators: list[torch.Generator | None], vocab: int,
-                    device: torch.device) -> Any:
+def subtalker_draw(rows: list[torch.Tensor], generators: list[torch.Generator | None], vocab: int,
+                   device: torch.device) -> Any:
     """A draw over the rows' code-predictor logits with their own [do_sample, temperature, top_k, top_p] (the AR
     sampler's column transforms and exponential race); a seeded row's noise from its own generator, the others'
     from the device's default one."""
