@@ -174,7 +174,8 @@ class DiffusionEngine:
         self.max_num_seqs = max_num_seqs
         options = options or DiffusionOptions()
         self.accel = Accelerator(model, options, name)
-        self.lora = LoraManager(getattr(model, "transformer", None), options.lora_root,
+        self.lora = LoraManager(getattr(model, "transformers", None) or getattr(model, "transformer", None),
+                                options.lora_root,
                                 getattr(model, "pipeline_class", None), options.max_loras)
         # Optional hooks of the model: how CFG mixes the branches, how conditioning rows form a batch.
         self.combine = getattr(model, "combine", cfg_combine)

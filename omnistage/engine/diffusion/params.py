@@ -32,8 +32,9 @@ class DiffusionParams:
     n: int = 1
     seed: int | None = None
     max_sequence_length: int | None = None
-    # A LoRA adapter of the DiT for this request: {"name": str, "path": str, "scale": float}; requests with
-    # different adapters (or scales) never share a forward.
+    # A LoRA adapter of the DiT for this request: {"name": str, "path": str, "scale": float}; two-expert models
+    # take path / scale for the first (high-noise) DiT and path_2 / scale_2 for the second, either or both.
+    # Requests with different adapters (or scales) never share a forward.
     lora: dict[str, Any] | None = None
     # Decode the VAE image by image (slicing) or in overlapping tiles (tiling): less memory, same image.
     vae_use_slicing: bool = False
@@ -81,15 +82,21 @@ class DiffusionParams:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63) (got {self.seed})", "seed")
         if self.lora is not None:
-            if not isinstance(self.lora, dict) or not isinstance(self.lora.get("name", ""), str) or \
-                    not isinstance(self.lora.get("path"), str):
-                raise RequestError("lora must be an object {name, path, scale} with a string path", "lora")
-            scale = self.lora.get("scale", 1.0)
-            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -10 <= scale <= 10:
-                raise RequestError(f"lora.scale must be a number in [-10, 10] (got {scale!r})", "lora.scale")
-            unknown = set(self.lora) - {"name", "path", "scale"}
+            lora = self.lora
+            paths = [lora.get(f) for f in ("path", "path_2") if isinstance(lora, dict) and lora.get(f) is not None]
+            if not isinstance(lora, dict) or not isinstance(lora.get("name", ""), str) or not paths or \
+                    not all(isinstance(p, str) for p in paths):
+                raise RequestError("lora must be an object {name, path, scale} with a string path (two-expert "
+                                   "models: path / scale for the high-noise expert, path_2 / scale_2 for the "
+                                   "low-noise one, either or both)", "lora")
+            for name in ("scale", "scale_2"):
+                scale = lora.get(name, 1.0)
+                if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -10 <= scale <= 10:
+                    raise RequestError(f"lora.{name} must be a number in [-10, 10] (got {scale!r})", f"lora.{name}")
+            unknown = set(lora) - {"name", "path", "scale", "path_2", "scale_2"}
             if unknown:
-                raise RequestError(f"lora takes name, path and scale (got {sorted(unknown)})", "lora")
+                raise RequestError(f"lora takes name, path, scale, path_2 and scale_2 (got {sorted(unknown)})",
+                                   "lora")
         return self
 
     def with_defaults(self, **defaults: Any) -> DiffusionParams:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -59,18 +59,31 @@ _TRUE, _FALSE = "true", "false"
 
 class LoraSpec(BaseModel):
     """A LoRA adapter of the DiT: `name` defaults to the adapter's directory name (the path's own name, or its
-    parent's when the path names a weights file). The engine checks the path against its `lora_root`."""
+    parent's when the path names a weights file). Two-expert models (Wan2.2 A14B) take `path` / `scale` for the
+    high-noise expert and `path_2` / `scale_2` for the low-noise one, either or both. The engine checks the paths
+    against its `lora_root`."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    path: str = Field(min_length=1)
+    path: str | None = Field(None, min_length=1)
     name: str | None = None
     scale: float = Field(1.0, ge=-10, le=10)
+    path_2: str | None = Field(None, min_length=1)
+    scale_2: float = Field(1.0, ge=-10, le=10)
+
+    @model_validator(mode="after")
+    def _has_a_path(self) -> LoraSpec:
+        if self.path is None and self.path_2 is None:
+            raise ValueError("lora needs a path (two-expert models: path and/or path_2)")
+        return self
 
     def as_params(self) -> dict[str, Any]:
-        path = PurePosixPath(self.path.rstrip("/") or "/")
-        return {"name": self.name or (path.parent.name if path.suffix else path.name), "path": self.path,
-                "scale": self.scale}
+        path = PurePosixPath((self.path or self.path_2 or "").rstrip("/") or "/")
+        out = {"name": self.name or (path.parent.name if path.suffix else path.name), "path": self.path,
+               "scale": self.scale}
+        if self.path_2 is not None:
+            out.update(path_2=self.path_2, scale_2=self.scale_2)
+        return out
 
 
 class ImageFields(BaseModel):

@@ -76,8 +76,6 @@ class WanVideoPipeline(ImagePipeline):
                 raise RequestError(f"{name} applies to two-expert checkpoints (Wan2.2 A14B); this one has one DiT: "
                                    "leave it out", name)
             return params.with_defaults(flow_shift=self.flow_shift)
-        if params.lora is not None:
-            raise RequestError("LoRA adapters are not supported for two-expert Wan2.2 checkpoints", "lora")
         # diffusers guides the low-noise expert like the high-noise one unless told otherwise
         return params.with_defaults(flow_shift=self.flow_shift, boundary_ratio=self.boundary_ratio,
                                     guidance_scale_2=params.guidance_scale)

@@ -101,8 +101,7 @@ def test_videos_progress_and_usage(tiny_wan_ti2v: str) -> None:
     ("t2v", {"image": True}, "takes no input image", "image"),
     ("ti2v", {"guidance_scale_2": 2.0}, "applies to two-expert checkpoints", "guidance_scale_2"),
     ("ti2v", {"boundary_ratio": 0.5}, "applies to two-expert checkpoints", "boundary_ratio"),
-    ("t2v", {"lora": {"name": "x", "path": "x"}}, "not supported for two-expert", "lora"),
-], ids=["frames", "width", "ti2v-height", "i2v-without-image", "t2v-with-image", "guidance-2", "boundary", "lora"])
+], ids=["frames", "width", "ti2v-height", "i2v-without-image", "t2v-with-image", "guidance-2", "boundary"])
 def test_bad_requests_are_400s(request: pytest.FixtureRequest, kind, change, match, param) -> None:
     pipeline = load_pipeline(request.getfixturevalue(f"tiny_wan_{kind}"), DEPLOY)
     change = dict(change)
