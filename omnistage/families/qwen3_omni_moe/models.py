@@ -17,6 +17,9 @@ What transformers' `Qwen3OmniMoeForConditionalGeneration.generate` does, reprodu
   1..Q-1 (`after_sample`, the shared `CodePredictor` of qwen3_tts) plus the next reply row (reply tokens 1.., then
   tts_eos, then tts_pad for as long as it speaks). The repetition penalty sees c0's history only.
 - Code2wav: codes [Q, T] -> 24 kHz audio through transformers' `Qwen3OmniMoeCode2Wav` (a causal codec decoder).
+
+On CUDA both MoE decoders' sparse blocks run as `FusedSparseMoe` (`omnistage.kernels.moe`: the same routing and
+parameters, the experts as two grouped GEMMs, no host sync); on the CPU transformers' blocks stay.
 """
 
 from __future__ import annotations
@@ -26,20 +29,56 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.ar.attention import AttentionMetadata
 from omnistage.engine.ar.model import SampleExtras
 from omnistage.engine.generation.engine import Results
 from omnistage.engine.transfer import to_device
+from omnistage.errors import ConfigError
 from omnistage.families import hf
 from omnistage.families.qwen2_5_omni.models import _media_layout, _scatter
 from omnistage.families.qwen3_tts.talker import CodePredictor, subtalker_draw
+from omnistage.kernels import moe
 from omnistage.types import StageInput
 
 SAMPLE_RATE = 24000
 SUBTALKER_GREEDY = torch.tensor([0.0, 1.0, 50.0, 0.8])  # [do_sample, temperature, top_k, top_p] of the code predictor
 SUBTALKER_SAMPLED = torch.tensor([1.0, 1.0, 50.0, 0.8])  # transformers' draw when the talker samples
+
+
+class FusedSparseMoe(nn.Module):
+    """transformers' sparse MoE block (the thinker's, or the talker's with its sigmoid-gated shared expert) with
+    its experts on `moe.fused_experts`: the block's own router weights, expert tensors and shared expert (same
+    submodule names, so the same state dict), routed as its router routes (`moe.route`)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.gate, self.experts = block.gate, block.experts
+        self.shared_expert = getattr(block, "shared_expert", None)
+        self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, ids = moe.route(F.linear(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk_prob)
+        out = moe.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(hidden_states.shape)
+
+
+def fuse_moe(decoder: nn.Module, config: Any) -> int:
+    """Swap the decoder's sparse MoE blocks for `FusedSparseMoe` (SiLU experts; what the kernels compute).
+    Returns how many were swapped."""
+    if config.hidden_act != "silu":
+        return 0
+    swapped = 0
+    for layer in decoder.layers:
+        if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate"):
+            layer.mlp = FusedSparseMoe(layer.mlp)
+            swapped += 1
+    return swapped
 
 
 class ThinkerLM(hf.HFCausalLM):
@@ -56,8 +95,10 @@ class ThinkerLM(hf.HFCausalLM):
         for encoder in (thinker.model.audio_tower, thinker.model.visual):  # whole media items, not the paged cache
             encoder.config._attn_implementation = "sdpa"
         self.thinker = thinker
-        # transformers' expert loop asks the device which experts a step hit (a host sync): no CUDA graphs
+        # no CUDA graphs: the fused MoE blocks (CUDA) have no host sync, but capturing a whole step is not verified
         self.graph_safe = False
+        if moe.available(self.device):
+            fuse_moe(decoder, thinker.config.text_config)
         self.hidden = thinker.config.text_config.hidden_size
         self.deepstack = len(thinker.config.vision_config.deepstack_visual_indexes)
         self.num_layers = thinker.config.text_config.num_hidden_layers
@@ -153,7 +194,9 @@ class TalkerLM(hf.HFCausalLM):
                  config: Any, top: Any):
         super().__init__(talker, talker.config, decoder=talker.model, lm_head=talker.codec_head, plain_loop=True)
         self.talker, self.predictor, self.cfg, self.top = talker, predictor, config, top
-        self.graph_safe = False  # the expert loop syncs with the host (and `after_sample` steps take the host path)
+        self.graph_safe = False  # `after_sample` steps take the host path (and see ThinkerLM)
+        if moe.available(self.device):
+            fuse_moe(talker.model, talker.config.text_config)
         self._text_rows = text_rows  # thinker embeddings of tts_pad / tts_bos / tts_eos (host, thinker width)
         self._rows: dict[str, torch.Tensor] = {}
         self.media_ids = [config.audio_token_id, config.image_token_id, config.video_token_id]
@@ -245,7 +288,7 @@ def load_talker(path: Path, config: Any, top: Any, dtype: torch.dtype, device: t
     with torch.device(device), no_init_weights():
         talker = Qwen3OmniMoeTalkerForConditionalGeneration._from_config(config, dtype=dtype,
                                                                           attn_implementation=hf.ATTN_IMPL)
-    talker.load_state_dict(_talker_weights(path, config.text_config.num_experts), strict=True)
+    _load_talker_weights(talker, path, config.text_config.moe_intermediate_size)
     talker = talker.eval().requires_grad_(False)
     # The talker's `get_rope_index` (shared with the thinker's) reads `config.audio_config.n_window` to count an
     # audio's tokens, which only the thinker's config has (transformers 5.25): the thinker's audio encoder's.
@@ -267,33 +310,50 @@ def load_talker(path: Path, config: Any, top: Any, dtype: torch.dtype, device: t
     return TalkerLM(talker, predictor, dict(zip(("pad", "bos", "eos"), rows, strict=True)), config, top)
 
 
-def _talker_weights(path: Path, num_experts: int) -> dict[str, torch.Tensor]:
-    """The checkpoint's `talker.*` tensors as the module names them: the released layout keeps one
-    gate / up / down projection per expert, the module one fused tensor per kind ([experts, 2 * inter, hidden]: gate
-    rows, then up rows; [experts, hidden, inter]). (transformers converts them when it loads the whole model, not
-    the talker on its own.)"""
+def _load_talker_weights(talker: nn.Module, path: Path, inter: int) -> None:
+    """Copy the checkpoint's `talker.*` tensors straight into the module's tensors (read on its device, converted to
+    its dtype, one at a time: no host or second copy of the experts). The released layout keeps one gate / up / down
+    projection per expert, the module one fused tensor per kind ([experts, 2 * inter, hidden]: gate rows, then up
+    rows; [experts, hidden, inter]): each expert's go to their slice. (transformers converts them when it loads the
+    whole model, not the talker on its own.) Strict: every tensor of the module filled, no checkpoint tensor left."""
     from safetensors import safe_open
 
-    state: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    targets = talker.state_dict()  # shares storage with the parameters and persistent buffers
+    device = next(talker.parameters()).device
+    filled: dict[str, int] = {}  # name -> elements copied into it
+    unexpected = []
     for file in hf.safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
             for key in f.keys():
                 if not key.startswith("talker."):
                     continue
                 name = key[len("talker.") :]
                 head, sep, tail = name.partition(".mlp.experts.")
-                if sep and tail.split(".")[0].isdigit():
-                    index, kind = tail.split(".")[:2]
-                    experts.setdefault((head, kind), {})[int(index)] = f.get_tensor(key)
+                parts = tail.split(".")
+                if sep and parts[0].isdigit() and parts[1] in ("gate_proj", "up_proj", "down_proj"):
+                    expert, kind = int(parts[0]), parts[1]
+                    name = f"{head}.mlp.experts.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+                    if name not in targets:
+                        unexpected.append(key)
+                        continue
+                    target = targets[name][expert]
+                    if kind != "down_proj":
+                        target = target[:inter] if kind == "gate_proj" else target[inter:]
+                elif name in targets:
+                    target = targets[name]
                 else:
-                    state[name] = f.get_tensor(key)
-    for head in sorted({h for h, _ in experts}):
-        gate, up, down = (experts[(head, k)] for k in ("gate_proj", "up_proj", "down_proj"))
-        state[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([gate[e], up[e]]) for e in range(num_experts)])
-        state[f"{head}.mlp.experts.down_proj"] = torch.stack([down[e] for e in range(num_experts)])
-    return state
+                    unexpected.append(key)
+                    continue
+                tensor = f.get_tensor(key)
+                if tensor.shape != target.shape:
+                    raise ConfigError(f"{key}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(tensor)
+                filled[name] = filled.get(name, 0) + tensor.numel()
+    missing = [n for n, t in targets.items() if filled.get(n, 0) != t.numel()]
+    if missing or unexpected:
+        raise ConfigError(f"checkpoint {str(path)!r}: talker tensors missing or partial: {', '.join(missing[:5])}; "
+                          f"unexpected: {', '.join(unexpected[:5])}")
 
 
 class Code2Wav:
