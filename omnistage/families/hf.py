@@ -9,6 +9,7 @@ kwargs; the mask builder therefore returns no mask. Shared by every family built
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,13 +79,37 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+# A released MoE checkpoint stores each expert's projections apart (`<experts>.<i>.gate_proj.weight`, ...);
+# transformers' modules hold them fused per layer: `<experts>.gate_up_proj` [experts, 2 * inter, hidden] (gate
+# rows, then up rows) and `<experts>.down_proj` [experts, hidden, inter].
+_EXPERT_KEY = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _expert_slice(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor] | None:
+    """The fused parameter a per-expert checkpoint tensor belongs to, and the view of it the tensor fills."""
+    match = _EXPERT_KEY.match(name)
+    if match is None:
+        return None
+    fused_name = f"{match['experts']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}"
+    fused = params.get(fused_name)
+    if fused is None or fused.ndim != 3:
+        return None
+    row = fused[int(match["index"])]
+    if match["proj"] == "down_proj":
+        return fused_name, row
+    half = row.shape[0] // 2
+    return fused_name, row[:half] if match["proj"] == "gate_proj" else row[half:]
+
+
 def load_weights(model: nn.Module, path: Path, prefix_map: dict[str, str] | None = None) -> None:
     """Copy checkpoint tensors straight into the model's (device, dtype) parameters, one tensor
-    at a time, so no full-precision copy of the model ever exists."""
+    at a time, so no full-precision copy of the model ever exists. Per-expert MoE tensors go into their
+    slices of the fused expert parameters; a fused parameter counts as loaded once every slice is."""
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     device = next(model.parameters()).device
     loaded: set[str] = set()
+    slices: dict[str, int] = {}  # fused parameter -> slices filled
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for key in f.keys():
@@ -93,6 +118,9 @@ def load_weights(model: nn.Module, path: Path, prefix_map: dict[str, str] | None
                     if name.startswith(old):
                         name = new + name[len(old) :]
                 target = params.get(name)
+                fused = None if target is not None else _expert_slice(params, name)
+                if fused is not None:
+                    name, target = fused
                 if target is None:
                     continue
                 tensor = f.get_tensor(key)
@@ -100,7 +128,13 @@ def load_weights(model: nn.Module, path: Path, prefix_map: dict[str, str] | None
                     raise ConfigError(f"{key}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
                 with torch.no_grad():
                     target.copy_(tensor)
-                loaded.add(name)
+                if fused is None:
+                    loaded.add(name)
+                else:
+                    slices[name] = slices.get(name, 0) + 1
+    for name, count in slices.items():  # gate_up: two slices per expert, down: one
+        if count == params[name].shape[0] * (2 if name.endswith("gate_up_proj") else 1):
+            loaded.add(name)
     model.tie_weights()
     tied = {name for name, p in model.named_parameters() if any(p is params[n] for n in loaded)}
     missing = [n for n, _ in model.named_parameters() if n not in loaded and n not in tied]

@@ -95,15 +95,20 @@ def make_tokenizer(
     return out
 
 
-CAUSAL_LM_ARCHS = ("qwen2", "qwen3", "llama")  # what make_tiny_causal_lm builds
+CAUSAL_LM_ARCHS = ("qwen2", "qwen3", "llama")  # what make_tiny_causal_lm builds (and the tests sweep)
+# Also built, for the tests that need them: a sparse MoE decoder, written by transformers in the released
+# per-expert layout (`experts.<i>.gate_proj.weight`, ...).
+MOE_ARCHS = {"qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)}
 
 
 def _config(arch: str, tokenizer: Any, overrides: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     classes = dict(zip(CAUSAL_LM_ARCHS, (Qwen2Config, Qwen3Config, LlamaConfig), strict=True))
+    classes["qwen3_moe"] = Qwen3MoeConfig
     if arch not in classes:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {list(CAUSAL_LM_ARCHS)}")
+        raise ValueError(f"unknown arch {arch!r}; expected one of {list(classes)}")
+    overrides = {**MOE_ARCHS.get(arch, {}), **overrides}
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     kwargs: dict[str, Any] = dict(
