@@ -1,5 +1,6 @@
 """CUDA graphs of an AR model's steps: decode steps per batch-size bucket, decode bursts (several steps drawn
-on the device per launch), and one sequence's prompt step per token bucket.
+on the device per launch), one sequence's prompt step per token bucket, and a model's `after_sample` hook per
+batch-size bucket (HookGraphs).
 
 Inputs live in static device buffers filled from pinned host buffers; padded rows decode into the runner's
 spare KV block and belong to no sequence, so attention never reads them. With `eager` (the stage's
@@ -19,16 +20,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata
+from omnistage.engine.ar.model import ARModel, SampleExtras
 from omnistage.engine.ar.sequence import Sequence
-from omnistage.engine.transfer import own_capture_stream
+from omnistage.engine.transfer import own_capture_stream, to_device
 
 if TYPE_CHECKING:
     from omnistage.engine.ar.model_runner import DecodeLaunch, ModelRunner, _Packed
 
 logger = logging.getLogger(__name__)
 
-# a captured graph and its outputs: logits, their argmax, the hidden layers kept
-_Graph = tuple[Any, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]
+# a captured graph and its outputs: logits, their argmax, the hidden layers kept, the final hidden states the logits
+# came from (what an `after_sample` hook reads)
+_Graph = tuple[Any, torch.Tensor, torch.Tensor, dict[int, torch.Tensor], torch.Tensor]
 
 # Prompt-graph buckets (tokens): at most half of a replay's rows are padding, and each size costs start-up time.
 PROMPT_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
@@ -69,6 +72,29 @@ class EagerReplay:
 
     def replay(self) -> None:
         _copy_into(self.outputs, self.run())
+
+
+def eager_capture(run: Callable[[], Any]) -> tuple[EagerReplay, Any]:
+    """`run` once; its stand-in replays it into those first outputs (what `enforce_eager` captures)."""
+    out = run()
+    return EagerReplay(run, out), out
+
+
+class CUDACapture:
+    """Captures graphs into one memory pool (they replay one at a time) on a stream of their own: `run` once
+    eagerly (the allocator settles, state sized on first use is allocated outside the pool), then captured."""
+
+    def __init__(self, device: torch.device):
+        self.pool, self.stream = None, own_capture_stream(device)
+
+    def __call__(self, run: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        with torch.no_grad():
+            run()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                out = run()
+        self.pool = graph.pool()
+        return graph, out
 
 
 class StepGraphs:
@@ -115,9 +141,9 @@ class StepGraphs:
         autograd: a model whose weights still require grad would otherwise record (and refuse in-place ops).
         With `eager`, `run` runs once (the same warm-up) and its outputs become the stand-in's."""
         with torch.no_grad():
-            out = run()
             if self.eager:
-                return EagerReplay(run, out), out
+                return eager_capture(run)
+            out = run()
             graph = torch.cuda.CUDAGraph()
             if generator is not None:
                 graph.register_generator_state(generator)
@@ -160,13 +186,19 @@ class StepGraphs:
                 embeds = self.model.embed(ids[:size]) + adds[:size] if adds is not None else None
                 hidden, layers = self.model.forward(ids[:size], positions[:size], meta, embeds, self.graph_layers)
                 logits = self.model.compute_logits(hidden)
-                return logits, logits.argmax(dim=-1), layers
+                return logits, logits.argmax(dim=-1), layers, hidden
 
-            graph, (logits, argmax, layers) = self._capture(forward, capture_stream)
-            self.graphs[size] = (graph, logits, argmax, layers)
+            graph, (logits, argmax, layers, hidden) = self._capture(forward, capture_stream)
+            self.graphs[size] = (graph, logits, argmax, layers, hidden)
         torch.cuda.synchronize(self.device)
         logger.info("%s %d decode CUDA graphs (batch sizes %s) in %.1fs",
                     self._verb, len(sizes), sizes, time.perf_counter() - started)
+
+    def capture_after_sample(self) -> HookGraphs:
+        """The model's `after_sample_graph` per decode bucket (after `capture_decode`), in the decode graphs' pool."""
+        stream = own_capture_stream(self.device)
+        hidden = self.graphs[max(self.graphs)][4]
+        return HookGraphs(self.model, sorted(self.graphs), hidden, lambda run: self._capture(run, stream))
 
     def capture_bursts(self, draw: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator | None
                        ) -> None:
@@ -266,7 +298,9 @@ class StepGraphs:
 
     def replay(
         self, p: _Packed, previous: DecodeLaunch | None = None, pending: list[tuple[int, int]] = ()
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor], torch.Tensor]:
+        """The decode graph of the smallest bucket holding the step: its logits, argmax and final hidden states for
+        the step's rows, and the kept layers (padded); all in the graph's buffers, which the next replay overwrites."""
         n = len(p.ids)
         size = next(b for b in sorted(self.graphs) if b >= n)
         self._input_slot ^= 1
@@ -285,9 +319,9 @@ class StepGraphs:
             if p.add_rows:
                 values = self.runner._stacked_adds(p.add_values).to(device=self.device, dtype=self._dev_adds.dtype)
                 self._dev_adds.index_copy_(0, self.runner._tensor(p.add_rows), values)
-        graph, logits, argmax, layers = self.graphs[size]
+        graph, logits, argmax, layers, hidden = self.graphs[size]
         graph.replay()
-        return logits[:n], argmax[:n], layers
+        return logits[:n], argmax[:n], layers, hidden[:n]
 
     # ---- CUDA graphs for prompts -----------------------------------------------------------
 
@@ -321,19 +355,21 @@ class StepGraphs:
                                          seq_lens=seq_len, cu_seqlens_q=cu, max_query_len=size)
                 hidden, layers = self.model.forward(ids[:size], rope[:size], meta, self._prompt_embeds[:size],
                                                     self.graph_layers)
-                logits = self.model.compute_logits(hidden.index_select(0, last))
-                return logits, logits.argmax(dim=-1), layers
+                hidden = hidden.index_select(0, last)
+                logits = self.model.compute_logits(hidden)
+                return logits, logits.argmax(dim=-1), layers, hidden
 
             # its warm-up has no sequence: attention reads nothing
-            graph, (logits, argmax, layers) = self._capture(forward, capture_stream)
-            self.prompt_graphs[size] = (graph, logits, argmax, layers)
+            graph, (logits, argmax, layers, hidden) = self._capture(forward, capture_stream)
+            self.prompt_graphs[size] = (graph, logits, argmax, layers, hidden)
         torch.cuda.synchronize(self.device)
         logger.info("%s %d prompt CUDA graphs (up to %d tokens) in %.1fs", self._verb, len(sizes), n,
                     time.perf_counter() - started)
 
-    def replay_prompt(self, p: _Packed) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, torch.Tensor]]:
-        """Replay the smallest prompt graph that holds the step: (logits and argmax of the last row, or None
-        where the sequence does not sample yet; the graph's layers, padded)."""
+    def replay_prompt(self, p: _Packed) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, torch.Tensor],
+                                                 torch.Tensor | None]:
+        """Replay the smallest prompt graph that holds the step: (logits, argmax and final hidden state of the last
+        row, or None where the sequence does not sample yet; the graph's layers, padded)."""
         t = len(p.ids)
         size = next(b for b in sorted(self.prompt_graphs) if b >= t)
         self._prompt_slot ^= 1
@@ -353,7 +389,58 @@ class StepGraphs:
         ids = self._prompt_long[0, :t]
         embeds = self.runner._input_embeds(p, ids)
         self._prompt_embeds[:t].copy_(embeds if embeds is not None else self.model.embed(ids))
-        graph, logits, argmax, layers = self.prompt_graphs[size]
+        graph, logits, argmax, layers, hidden = self.prompt_graphs[size]
         graph.replay()
         self.num_prompt_replays += 1
-        return (logits, argmax, layers) if p.last_rows else (None, None, layers)
+        return (logits, argmax, layers, hidden) if p.last_rows else (None, None, layers, None)
+
+
+class HookGraphs:
+    """A model's `after_sample` hook per batch-size bucket: its `after_sample_graph` (ARModel) run over static
+    buffers (the rows' final hidden states, sampled tokens and parameter rows) and captured by `capture(run) ->
+    (graph, run's outputs)`: a CUDA graph capture, or `eager_capture` (enforce_eager, and the CPU, where the
+    stand-ins run the same function on the same buffers). The largest bucket goes first, so state the hook sizes on
+    its first run (a scratch buffer the graphs then hold views of) fits every later capture.
+
+    A step replays the smallest bucket that holds its rows, except a step with a row that draws from its own
+    generator (a seeded request), which runs the model's eager `after_sample`: a replay's noise comes from the
+    default generator only. Padded rows keep earlier rows' values: finite, computed, never read."""
+
+    def __init__(self, model: ARModel, sizes: list[int], hidden: torch.Tensor,
+                 capture: Callable[[Callable[[], Any]], tuple[Any, Any]] = eager_capture):
+        self.model, self.sizes = model, sorted(sizes)
+        n, device = self.sizes[-1], hidden.device
+        self.hidden = torch.zeros(n, hidden.shape[-1], dtype=hidden.dtype, device=device)
+        self.tokens = torch.zeros(n, dtype=torch.long, device=device)
+        neutral = model.after_sample_rows([{}])  # a request without tensors: the model's defaults
+        self.rows = neutral.to(device, torch.float32).expand(n, -1).contiguous()
+        self.graphs: dict[int, tuple[Any, tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
+        self.num_replays = 0
+        with torch.no_grad():
+            for size in reversed(self.sizes):
+                def run(size: int = size) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    extras = model.after_sample_graph(self.hidden[:size], self.tokens[:size], self.rows[:size])
+                    return extras.next_adds, extras.outputs
+
+                self.graphs[size] = capture(run)
+
+    def replays(self, n: int, generators: list[torch.Generator | None]) -> bool:
+        """Whether a step of `n` rows with these generators replays a bucket."""
+        return n <= self.sizes[-1] and all(g is None for g in generators)
+
+    @torch.no_grad()
+    def run(self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: list[dict[str, torch.Tensor]],
+            generators: list[torch.Generator | None]) -> SampleExtras:
+        """What `after_sample(hidden, tokens, inputs, generators)` returns, from a replay where one fits."""
+        n = hidden.shape[0]
+        if not self.replays(n, generators):
+            return self.model.after_sample(hidden, tokens, inputs, generators)
+        size = next(b for b in self.sizes if b >= n)
+        self.rows[:n].copy_(to_device(self.model.after_sample_rows(inputs), self.rows.device))
+        self.hidden[:n].copy_(hidden)
+        self.tokens[:n].copy_(tokens)
+        graph, (adds, outputs) = self.graphs[size]
+        graph.replay()
+        self.num_replays += 1
+        # the next replay overwrites the graph's outputs; the engine keeps `next_adds` for the sequences' next steps
+        return SampleExtras(adds[:n].clone(), {name: value[:n].clone() for name, value in outputs.items()})

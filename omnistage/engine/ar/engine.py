@@ -147,7 +147,7 @@ class AREngine:
         vocab = graphs[min(graphs)][1].shape[-1] if graphs else model.vocab_size  # the logits' width
         self.vocab_size = vocab  # token ids a request names (stop, bad) must be below it: the sampler indexes by them
         self.sampler.warm_up(vocab, model.device)
-        if self.runner.graphs and self.runner.burst_steps > 1:
+        if self.runner.graphs and self.runner.burst_steps > 1 and self._after_sample is None:  # (no bursts: ARModel)
             self.history = TokenHistory(config.max_num_seqs + 1, vocab, model.device)
             self._static_draw = StaticDraw(self.sampler, self.history, config.max_num_seqs, vocab,
                                            pad_slot=config.max_num_seqs)
@@ -283,7 +283,8 @@ class AREngine:
     def describe(self) -> str:
         spec, blocks, size = self.runner.model.kv_spec, self.block_manager.num_blocks, self.config.block_size
         gib = spec.bytes_per_block(size) * blocks / 2**30
-        graphs = len(self.runner.graphs) + len(self.runner.burst_graphs) + len(self.runner.prompt_graphs)
+        graphs = len(self.runner.graphs) + len(self.runner.burst_graphs) + len(self.runner.prompt_graphs) \
+            + len(self.runner.hook_graphs)
         return (f"{self.device}, {str(spec.dtype).removeprefix('torch.')}, KV cache {blocks} blocks of {size} tokens "
                 f"({gib:.2f} GiB), max_model_len {self.config.max_model_len}, max_num_seqs {self.config.max_num_seqs}, "
                 + (f"{graphs} CUDA graphs" if graphs else "eager"))
@@ -299,6 +300,7 @@ class AREngine:
             "num_burst_steps": self.num_burst_steps,
             "num_output_tokens": self.num_output_tokens,
             "num_prompt_graph_steps": self.runner.num_prompt_replays,
+            "num_after_sample_graph_steps": self.runner.num_after_sample_replays,
         }
 
     def shutdown(self) -> None:
@@ -369,8 +371,8 @@ class AREngine:
             picks = self._tensor([where[i] for i in rows])
             tokens = self._tensor([sampled[i][0] for i in rows])
             seqs = [batch[i][0] for i in rows]
-            extra = self._after_sample(result.last_hidden.index_select(0, picks), tokens, [s.tensors for s in seqs],
-                                       [s.generator for s in seqs])
+            extra = self.runner.after_sample(result.last_hidden.index_select(0, picks), tokens,
+                                             [s.tensors for s in seqs], [s.generator for s in seqs])
             host = {name: value.cpu() for name, value in extra.outputs.items()}
         except Exception:
             logger.exception("stage %s: the model's after_sample failed", self.name)

@@ -62,5 +62,18 @@ class ARModel(Protocol):
     # - `outputs[name][i : i + 1]` goes to that step's `StageOutput.tensors[name]` (on the host; a request's
     #   outputs concatenate along dim 0), except with a token that stops the request (EOS / stop id): what the
     #   hook computed for a stop token is dropped with it;
-    # - every step of such a model samples on the host path (no overlapped steps, bursts or CUDA graphs yet), so
-    #   the hook sees each step's tokens before the next step is packed.
+    # - every step of such a model samples on the host path (no overlapped steps or bursts), so the hook sees each
+    #   step's tokens before the next step is packed; its decode and prompt steps replay CUDA graphs as any
+    #   graph-safe model's (they keep the final hidden states the hook reads).
+    # Optional, with `after_sample`: its graph-safe form, which the engine captures on CUDA per decode batch-size
+    # bucket (cuda_graphs.HookGraphs; `graph_safe` or not: it is the hook's own graph; with `enforce_eager` the same
+    # function runs on the same buffers) and replays for a step whose rows all draw from the default generator (a
+    # step with a seeded request's row calls `after_sample`):
+    # - `after_sample_rows(inputs) -> Tensor [n, P]`: each row's parameters (`inputs` as above; `[{}]`, a request
+    #   without tensors, gives the defaults the capture runs with) as float32 rows, on the host;
+    # - `after_sample_graph(hidden [n, hidden], tokens [n], rows [n, P] on the device) -> SampleExtras`: what
+    #   `after_sample` returns for those rows with no generators, computed from these static tensors alone: no host
+    #   syncs or data-dependent shapes, noise from the default generator only (graph-safe: each replay draws anew);
+    #   state it keeps between calls (a scratch buffer) is sized on its first call, the largest bucket's, and never
+    #   reallocated (the graphs hold it). Greedy rows must give `after_sample`'s outputs, sampled rows draw from the
+    #   same distribution.

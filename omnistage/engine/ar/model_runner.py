@@ -4,10 +4,13 @@ Host-side bookkeeping (positions, slots, block tables) is built once per step fr
 On CUDA, steps where every sequence decodes one token replay a CUDA graph of the whole forward (plus
 the LM head) for the smallest batch-size bucket that fits, and a step that prefills one sequence's prompt
 of up to `prompt_graph_tokens` tokens replays one for the smallest token bucket that fits (cuda_graphs.py);
-other steps run eagerly. The graphs also keep the hidden layers the engine may hand on (`graph_layers`) and,
-for models that declare `graph_embed_adds`, take per-row additions to the input embeddings (a talker's side
-input). Replaying a prompt step matters because eagerly it is hundreds of kernel launches from Python while
-the whole request waits for its first token.
+other steps run eagerly. The graphs also keep the hidden layers the engine may hand on (`graph_layers`) and the
+final hidden states (an `after_sample` hook's input) and, for models that declare `graph_embed_adds`, take per-row
+additions to the input embeddings (a talker's side input). Replaying a prompt step matters because eagerly it is
+hundreds of kernel launches from Python while the whole request waits for its first token. A model whose
+`after_sample` hook has a graph-safe form (`after_sample_graph`) gets that captured per batch-size bucket too, even
+if its decoder is not graph-safe (cuda_graphs.HookGraphs): a talker's code predictor is hundreds of small kernels
+per step.
 
 A decode burst (`burst_steps` > 1) runs several decode steps per launch, each step's tokens drawn on the
 device and fed to the next: one graph replay (and one host round trip) per burst instead of per token, for
@@ -17,6 +20,7 @@ small models whose step is shorter than the host's work for it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,8 +28,8 @@ import numpy as np
 import torch
 
 from omnistage.engine.ar.attention import AttentionMetadata, PagedKVCache
-from omnistage.engine.ar.cuda_graphs import StepGraphs
-from omnistage.engine.ar.model import ARModel
+from omnistage.engine.ar.cuda_graphs import CUDACapture, HookGraphs, StepGraphs, bucket_sizes, eager_capture
+from omnistage.engine.ar.model import ARModel, SampleExtras
 from omnistage.engine.ar.sequence import Sequence
 from omnistage.engine.transfer import to_device
 
@@ -39,7 +43,8 @@ class StepResult:
     hidden: dict[int, torch.Tensor]  # layer -> [T, hidden] for the whole packed step
     row_spans: list[tuple[int, int]]  # each sequence's rows in the packed step
     argmax: torch.Tensor | None = None  # argmax of `logits`, when the step computed it on the way
-    last_hidden: torch.Tensor | None = None  # [len(sample_rows), hidden]: the states `logits` came from (eager steps)
+    # [len(sample_rows), hidden]: the states `logits` came from (after a replay, in the graph's buffer until the next)
+    last_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,9 +97,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.use_triton = self.device.type == "cuda"
         # Graph-safe models on CUDA step through StepGraphs, captured or (enforce_eager) run eagerly on the same
-        # static buffers and padded shapes: the two give the same tokens.
-        # A model with an `after_sample` hook reads each step's final hidden states, which graph replays do not keep.
-        self.use_graphs = self.use_triton and getattr(model, "graph_safe", False) and not hasattr(model, "after_sample")
+        # static buffers and padded shapes: the two give the same tokens (and the same `after_sample` outputs).
+        self.use_graphs = self.use_triton and getattr(model, "graph_safe", False)
         self.kv_cache: PagedKVCache | None = None
         self.pad_slot = 0
         self.graph_layers = graph_layers
@@ -102,6 +106,8 @@ class ModelRunner:
         self.burst_steps = max(1, burst_steps)
         self.prompt_graph_tokens = prompt_graph_tokens
         self.step_graphs = StepGraphs(self, eager=enforce_eager) if self.use_graphs else None
+        self.enforce_eager = enforce_eager
+        self.hooks: HookGraphs | None = None  # the model's `after_sample` per batch bucket, if it has a graph form
 
     # the step graphs' state, for the engine and its stats
     @property
@@ -119,6 +125,14 @@ class ModelRunner:
     @property
     def num_prompt_replays(self) -> int:
         return self.step_graphs.num_prompt_replays if self.step_graphs else 0
+
+    @property
+    def hook_graphs(self) -> dict:
+        return self.hooks.graphs if self.hooks else {}
+
+    @property
+    def num_after_sample_replays(self) -> int:
+        return self.hooks.num_replays if self.hooks else 0
 
     @property
     def _dev_adds(self) -> torch.Tensor | None:
@@ -163,10 +177,29 @@ class ModelRunner:
                                  for _ in range(2)]
         if self.step_graphs is not None:
             self.step_graphs.capture_decode(num_blocks)
+        self._capture_hooks()
+        if self.step_graphs is not None:
             self.step_graphs.capture_prompts()
+
+    def _capture_hooks(self) -> None:
+        """On CUDA, the hook's graph form per decode bucket: in the decode graphs' pool, or (a decoder that is not
+        graph-safe, a MoE's expert loop) in a pool of its own, its width and dtype the token embeddings'."""
+        if not self.use_triton or not hasattr(self.model, "after_sample_graph"):
+            return
+        started = time.perf_counter()
+        if self.step_graphs is not None:
+            self.hooks = self.step_graphs.capture_after_sample()
+        else:
+            like = self.model.embed(torch.zeros(1, dtype=torch.long, device=self.device))
+            self.hooks = HookGraphs(self.model, bucket_sizes(self.max_num_seqs), like,
+                                    eager_capture if self.enforce_eager else CUDACapture(self.device))
+        torch.cuda.synchronize(self.device)
+        logger.info("%s %d after_sample graphs in %.1fs", "prepared eager stand-ins for" if self.enforce_eager
+                    else "captured", len(self.hooks.graphs), time.perf_counter() - started)
 
     def release(self) -> None:
         """Drop the KV cache and captured graphs (their memory pool) so the device memory returns."""
+        self.hooks = None
         if self.step_graphs is not None:
             self.step_graphs.release()
         self.kv_cache = None
@@ -254,22 +287,30 @@ class ModelRunner:
     def execute(self, batch: list[tuple[Sequence, int]], output_layers: tuple[int, ...] = ()) -> StepResult:
         p = self._pack(batch)
         if self._graph_fits(p, len(batch)) and set(output_layers) <= set(self.graph_layers):
-            logits, argmax, layers = self.step_graphs.replay(p)
+            logits, argmax, layers, last = self.step_graphs.replay(p)
             hidden = {i: layers[i][: len(batch)].clone() for i in output_layers}  # the next replay overwrites
             if len(p.sample_rows) != len(batch):
                 rows = self._tensor(p.sample_rows)
-                logits, argmax = logits[rows], argmax[rows]
-            return StepResult(p.sample_rows, logits if p.sample_rows else None, hidden, p.row_spans, argmax)
+                logits, argmax, last = logits[rows], argmax[rows], last[rows]
+            return StepResult(p.sample_rows, logits if p.sample_rows else None, hidden, p.row_spans, argmax,
+                              last if p.sample_rows else None)
         if self._prompt_graph_fits(p, len(batch)) and set(output_layers) <= set(self.graph_layers):
-            logits, argmax, layers = self.step_graphs.replay_prompt(p)
+            logits, argmax, layers, last = self.step_graphs.replay_prompt(p)
             hidden = {i: layers[i][: len(p.ids)].clone() for i in output_layers}  # the next replay overwrites
-            return StepResult(p.sample_rows, logits, hidden, p.row_spans, argmax)
+            return StepResult(p.sample_rows, logits, hidden, p.row_spans, argmax, last)
         token_ids = self._tensor(p.ids)
         embeds = self._input_embeds(p, token_ids)
         hidden, layers = self.model.forward(token_ids, self._rope(p), self._metadata(p), embeds, output_layers)
         last = hidden[self._tensor(p.last_rows)] if p.last_rows else None
         logits = self.model.compute_logits(last) if last is not None else None
         return StepResult(p.sample_rows, logits, layers, p.row_spans, last_hidden=last)
+
+    def after_sample(self, hidden: torch.Tensor, tokens: torch.Tensor, inputs: list[dict[str, torch.Tensor]],
+                     generators: list[torch.Generator | None]) -> SampleExtras:
+        """The model's `after_sample` over a step's sampled rows: a replay of its captured form where one fits."""
+        if self.hooks is None:
+            return self.model.after_sample(hidden, tokens, inputs, generators)
+        return self.hooks.run(hidden, tokens, inputs, generators)
 
     def _graph_fits(self, p: _Packed, num_seqs: int) -> bool:
         """A step a captured graph can run: one token per sequence, no replaced embeddings or explicit
@@ -335,7 +376,7 @@ class ModelRunner:
         where = {id(s): i for i, s in enumerate(previous.seqs)} if previous else {}
         pending = [(i, where[id(s)]) for i, s in enumerate(seqs) if s.num_computed >= s.num_tokens]
         if self._graph_fits(p, len(seqs)) and set(output_layers) <= set(self.graph_layers):
-            logits, argmax, layers = self.step_graphs.replay(p, previous, pending)
+            logits, argmax, layers, _ = self.step_graphs.replay(p, previous, pending)
             hidden = {i: layers[i][: len(seqs)].clone() for i in output_layers}  # the next replay overwrites
         else:
             ids = self._tensor(p.ids)

@@ -256,6 +256,8 @@ def talker_input(request_id: str, text_ids: list[int], codec_prefix: list[int], 
 class TalkerLM(hf.HFCausalLM):
     """The talker as an ARModel with an `after_sample` hook (the code predictor; see the module doc)."""
 
+    graph_embed_adds = True  # every generated position adds rows (text, last frame's codes): its CUDA graphs take them
+
     def __init__(self, talker: _TalkerModule, cfg: dict[str, Any], text_ids: TextIds) -> None:
         super().__init__(talker, talker.config, decoder=talker.model, lm_head=talker.codec_head, plain_loop=True)
         self.talker = talker
@@ -332,6 +334,23 @@ class TalkerLM(hf.HFCausalLM):
         codes, embed_sum = self.talker.code_predictor.predict(hidden, self.embed(tokens), draw)
         return SampleExtras(next_adds=embed_sum, outputs={"codes": torch.cat([tokens[:, None], codes], dim=1)})
 
+    def after_sample_rows(self, inputs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """[n, 4]: each row's code-predictor sampling [do_sample, temperature, top_k, top_p] (`after_sample_graph`'s
+        rows; ARModel)."""
+        return torch.stack([x.get("subtalker", _SUBTALKER_DEFAULT).float() for x in inputs])
+
+    def after_sample_graph(self, hidden: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> SampleExtras:
+        """`after_sample` for rows without generators from static tensors (what the engine captures in CUDA graphs):
+        the sampling as device columns (`subtalker_columns`), each codebook's noise drawn from the default generator
+        for every row, as `subtalker_draw` draws it when a row samples."""
+        cols = subtalker_columns(rows, self.cfg["code_predictor_config"]["vocab_size"])
+
+        def draw(logits: torch.Tensor) -> torch.Tensor:
+            return choose(logits, cols, lambda probs: torch.empty_like(probs).exponential_())
+
+        codes, embed_sum = self.talker.code_predictor.predict(hidden, self.embed(tokens), draw)
+        return SampleExtras(next_adds=embed_sum, outputs={"codes": torch.cat([tokens[:, None], codes], dim=1)})
+
 
 def subtalker_draw(rows: list[torch.Tensor], generators: list[torch.Generator | None], vocab: int,
                    device: torch.device) -> Any:
@@ -353,6 +372,20 @@ def subtalker_draw(rows: list[torch.Tensor], generators: list[torch.Generator | 
         return out
 
     return lambda logits: choose(logits, cols, noise)
+
+
+def subtalker_columns(rows: torch.Tensor, vocab: int) -> SamplingColumns:
+    """`subtalker_draw`'s columns from rows [n, 4] on the device, every filter on (a row without one holds its
+    neutral value, which keeps every token: the same distribution, the same ids for the same noise): static tensors,
+    no host reads, so a CUDA graph can compute them."""
+    greedy = (rows[:, 0] == 0) | (rows[:, 1] == 0)
+    top_k = rows[:, 2:3].trunc()
+    top_p = rows[:, 3:4]
+    return SamplingColumns(
+        temperature=torch.where(greedy[:, None], 1.0, rows[:, 1:2]), greedy=greedy, all_greedy=False,
+        top_k=torch.where(top_k > 0, top_k, float(vocab)), top_p=top_p, min_p=torch.zeros_like(top_p),
+        repetition=None, frequency=None, presence=None, ban=None, generators=(),
+    )
 
 
 def load_talker(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
