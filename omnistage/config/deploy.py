@@ -10,10 +10,10 @@ import copy
 import difflib
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from omnistage.errors import ConfigError
 from omnistage.sampling_params import SamplingParams
@@ -31,6 +31,7 @@ class Advanced(_Strict):
     are taken as given (strict): `true` is no integer, `"8"` no number."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    tensor_parallel: ClassVar[bool] = False  # whether stages of this kind may set tensor_parallel_size > 1
 
     stream_priority: Literal["high", "normal"] | None = Field(
         None, description="inline stages on a GPU: their CUDA stream's priority, which the GPU's block scheduler "
@@ -44,6 +45,8 @@ class StageConfig(_Strict):
     # placement
     devices: str | None = Field(None, description='Device ids, e.g. "0" or "1,2"; None: cuda:0 if present else cpu')
     replicas: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="AR stages: ranks (one process per device) that each "
+                                      "hold a shard of the model; devices must name that many, or be \"cpu\"")
     # sizing
     max_num_seqs: int = Field(64, ge=1, description="Requests (or, for token2wav, windows) stepped together")
     max_num_batched_tokens: int = Field(2048, ge=16, description="Tokens one step may compute")
@@ -64,6 +67,15 @@ class StageConfig(_Strict):
                                     "documents them (Qwen2.5-Omni token2wav: window sizes)")
     advanced: dict[str, Any] = Field(default_factory=dict, description="Internal tuning with per-family defaults; "
                                      "checked against the stage's kind when the pipeline is built")
+
+    @model_validator(mode="after")
+    def _enough_devices(self) -> StageConfig:
+        listed = [d for d in (self.devices or "").split(",") if d.strip()]
+        if self.tensor_parallel_size > 1 and listed != ["cpu"] and 0 < len(listed) < self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs that many devices, but devices "
+                             f"names {len(listed)} ({self.devices!r}); list one per rank, e.g. "
+                             f"{','.join(map(str, range(self.tensor_parallel_size)))!r}, or \"cpu\"")
+        return self
 
     @field_validator("default_sampling_params")
     @classmethod
@@ -223,6 +235,9 @@ class DeployConfig(_Strict):
         for name, kind in advanced.items():
             cfg = self.stage(name)
             parse_section(kind, cfg.advanced, f"stages.{name}.advanced")
+            if cfg.tensor_parallel_size > 1 and not kind.tensor_parallel:
+                raise ConfigError(f"invalid deploy config: stages.{name}.tensor_parallel_size: this stage is not "
+                                  "autoregressive and runs on one device; set it to 1 (or scale it with replicas)")
             model = (options or {}).get(name)
             if model is not None:
                 parse_section(model, cfg.options, f"stages.{name}.options")

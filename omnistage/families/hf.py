@@ -101,10 +101,15 @@ def _expert_slice(params: dict[str, torch.Tensor], name: str) -> tuple[str, torc
     return fused_name, row[:half] if match["proj"] == "gate_proj" else row[half:]
 
 
-def load_weights(model: nn.Module, path: Path, prefix_map: dict[str, str] | None = None) -> None:
+def load_weights(
+    model: nn.Module, path: Path, prefix_map: dict[str, str] | None = None,
+    shard: Callable[[str, Any], torch.Tensor] | None = None,
+) -> None:
     """Copy checkpoint tensors straight into the model's (device, dtype) parameters, one tensor
     at a time, so no full-precision copy of the model ever exists. Per-expert MoE tensors go into their
-    slices of the fused expert parameters; a fused parameter counts as loaded once every slice is."""
+    slices of the fused expert parameters; a fused parameter counts as loaded once every slice is.
+    `shard(name, lazy_slice)`: the part of parameter `name` this tensor-parallel rank holds, read from the
+    file's lazy slice (so a rank reads only its part)."""
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     device = next(model.parameters()).device
@@ -123,7 +128,7 @@ def load_weights(model: nn.Module, path: Path, prefix_map: dict[str, str] | None
                     name, target = fused
                 if target is None:
                     continue
-                tensor = f.get_tensor(key)
+                tensor = f.get_tensor(key) if shard is None else shard(name, f.get_slice(key))
                 if tensor.shape != target.shape:
                     raise ConfigError(f"{key}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
                 with torch.no_grad():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -16,6 +16,7 @@ from omnistage.engine.ar.grammar import Grammars
 from omnistage.engine.ar.memory import plan_num_blocks
 from omnistage.engine.ar.model import ARModel
 from omnistage.engine.ar.model_runner import DecodeLaunch, ModelRunner, StepResult
+from omnistage.engine.ar.parallel import GroupLost
 from omnistage.engine.ar.sampler import ROW_FAILED, Sampler, SampleRow, SamplingColumns, StaticDraw, TokenHistory
 from omnistage.engine.ar.scheduler import Scheduler
 from omnistage.engine.ar.sequence import SeqStatus, Sequence
@@ -31,6 +32,7 @@ class ARAdvanced(Advanced):
     """An AR stage's `advanced:` block. Every setting leaves the tokens as they are; the defaults suit any model,
     and a family may tune them for one of its stages (`AREngineConfig.from_stage`'s `tuned`)."""
 
+    tensor_parallel: ClassVar[bool] = True  # the stage may set tensor_parallel_size (parallel.py)
     overlap_decode: bool = Field(True, description="keep a greedy decode step in flight while the host reads the "
                                  "last one's tokens")
     overlap_sampled: bool = Field(True, description="... and sampled or penalised steps, their tokens drawn on the "
@@ -310,6 +312,8 @@ class AREngine:
         for request_id in list(self.seqs):
             self.abort(request_id)
         self.runner.release()
+        if hasattr(self.runner.model, "close"):  # a tensor-parallel group: its follower processes
+            self.runner.model.close()
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -325,6 +329,8 @@ class AREngine:
         want_hidden = layers and any(s.return_hidden for s, _ in batch)
         try:
             result = self.runner.execute(batch, layers if want_hidden else ())
+        except GroupLost:  # a tensor-parallel rank is gone: the stage restarts
+            raise
         except Exception:  # a failed forward fails its batch, not the engine
             logger.exception("stage %s: step failed", self.name)
             return [self._fail(seq, "this step") for seq, _ in batch]
@@ -577,6 +583,8 @@ class AREngine:
         steps = self._allocate_steps(seqs, self._burst_steps(seqs, 0))  # >= 1: the scheduler allocated one
         try:
             self.in_flight = self._launch(seqs, steps=steps)
+        except GroupLost:  # a tensor-parallel rank is gone: the stage restarts
+            raise
         except Exception:
             logger.exception("stage %s: step failed", self.name)
             return self._launch_failed(seqs)
@@ -630,6 +638,8 @@ class AREngine:
             try:
                 self.in_flight = self._launch(following, previous=current, steps=steps)
                 self.num_overlapped_steps += 1
+            except GroupLost:  # a tensor-parallel rank is gone: the stage restarts
+                raise
             except Exception:  # the current step's tokens are still read; the next step is scheduled afresh
                 logger.exception("stage %s: step failed", self.name)
                 self.in_flight = None

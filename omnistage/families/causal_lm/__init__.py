@@ -13,8 +13,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from omnistage.config.deploy import DeployConfig, StageConfig, parse_section
 from omnistage.devices import resolve_device
 from omnistage.engine.ar.engine import ARAdvanced, AREngine, AREngineConfig
-from omnistage.errors import RequestError
-from omnistage.families import hf
+from omnistage.engine.ar.parallel import TPModel
+from omnistage.errors import ConfigError, RequestError
+from omnistage.families import hf, tensor_parallel
 from omnistage.families.base import CheckpointInfo, Pipeline, StageSpec
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 from omnistage.sampling_params import SamplingParams
@@ -135,11 +136,16 @@ def build_ar_engine(
 ) -> AREngine:
     """Load an HF causal LM checkpoint as the AR engine of `stage`."""
     cfg = pipeline.stage_config(stage)
-    device = resolve_device(devices or cfg.devices)
-    model, config = hf.load_causal_lm(pipeline.model_path, cfg.dtype, device)
+    if cfg.tensor_parallel_size > 1:  # the plain HF layer loop on every rank (no fused decoder, no CUDA graphs)
+        model: Any = tensor_parallel.launch_causal_lm(pipeline.model_path, cfg.dtype, devices or cfg.devices,
+                                                     cfg.tensor_parallel_size, f"stages.{stage}.tensor_parallel_size")
+        config = hf.AutoConfig.from_pretrained(pipeline.model_path)
+    else:
+        loaded, config = hf.load_causal_lm(pipeline.model_path, cfg.dtype, resolve_device(devices or cfg.devices))
+        model = causal_lm_model(loaded, config)
     tokenizer = hf.load_tokenizer(pipeline.model_path)
     eos = hf.eos_token_ids(pipeline.model_path, config, tokenizer)
-    return ar_engine(stage, cfg, causal_lm_model(model, config), config, tokenizer, eos, hidden_state_layers)
+    return ar_engine(stage, cfg, model, config, tokenizer, eos, hidden_state_layers)
 
 
 def ar_engine(
@@ -154,6 +160,9 @@ def ar_engine(
 ) -> AREngine:
     """An AR engine for a loaded model, sized and tuned by the stage's deploy config; `tuned`: the family's
     defaults for the stage's `advanced` block."""
+    if cfg.tensor_parallel_size > 1 and not isinstance(model, TPModel):
+        raise ConfigError(f"stages.{stage}.tensor_parallel_size: this stage runs on one device only (tensor "
+                          "parallelism covers causal-LM stages so far); set it to 1")
     engine_cfg = AREngineConfig.from_stage(cfg, context_length(config, cfg.max_model_len), hidden_state_layers,
                                            tuned, where=f"stages.{stage}.advanced")
     return AREngine(stage, model, engine_cfg, tokenizer, eos_token_ids)
