@@ -14,8 +14,9 @@ import omnistage.families.qwen3_omni_moe as family
 import omnistage.kernels.moe as moe
 from omnistage import Omni
 from omnistage.families.qwen3_omni_moe.models import FusedSparseMoe, fuse_moe
-from tests.families.qwen3_omni_moe.reference import run_hf
-from tests.families.qwen3_omni_moe.test_parity import DEPLOY, FRAMES, PARAMS, TEXT, THINKER_TOKENS, for_speech
+
+from .reference import run_hf
+from .test_parity import DEPLOY, FRAMES, PARAMS, TEXT, THINKER_TOKENS, for_speech
 
 pytest.importorskip("triton")
 pytest.importorskip("torchvision", reason="Qwen3-Omni's processor needs torchvision")

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from omnistage.entrypoints.openai.server import BackgroundServer
-from tests.families.qwen3_omni_moe.reference import tone
+
+from .reference import tone
 
 pytest.importorskip("torchvision", reason="Qwen3-Omni's processor needs torchvision")
 

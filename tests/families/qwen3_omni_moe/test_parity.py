@@ -12,7 +12,8 @@ from PIL import Image
 import omnistage.families.qwen3_omni_moe as family
 from omnistage import Omni, SamplingParams
 from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
-from tests.families.qwen3_omni_moe.reference import run_hf, tone
+
+from .reference import run_hf, tone
 
 pytest.importorskip("torchvision", reason="Qwen3-Omni's processor needs torchvision")
 

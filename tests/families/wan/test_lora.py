@@ -24,8 +24,9 @@ from omnistage.errors import RequestError
 from omnistage.families.registry import load_pipeline
 from omnistage.testing.lora import make_tiny_lora
 from omnistage.types import OmniRequest
-from tests.families.wan.test_parity import ATOL, T2V, TI2V, diffusers_frames, picture
-from tests.families.wan.test_parity import run as run_with_images
+
+from .test_parity import ATOL, T2V, TI2V, diffusers_frames, picture
+from .test_parity import run as run_with_images
 
 HIGH, LOW = 0.7, 1.5  # the scales the cases run at
 CASES = {  # request lora -> (scale on the high-noise expert, scale on the low-noise expert), None: no adapter
