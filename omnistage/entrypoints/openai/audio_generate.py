@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omnistage.engine.diffusion.params import DiffusionParams
-from omnistage.entrypoints.openai.serving import check_model, run_admitted
+from omnistage.entrypoints.openai.serving import check_model, run_admitted, validated
 from omnistage.errors import RequestError
 from omnistage.media.audio import aac_encodable, encodable_formats, encode_aac, encode_audio
 from omnistage.types import OmniRequest
@@ -71,19 +71,13 @@ class AudioGenerateRequest(BaseModel):
 
 
 def _parse(raw: bytes) -> AudioGenerateRequest:
-    from omnistage.entrypoints.openai.server import validation_message  # server.py includes this module
-
     try:
         data = json.loads(raw or b"null")
     except ValueError as exc:
         raise RequestError(f"request body is not valid JSON ({exc}); send a JSON object") from None
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object with at least 'input' (the prompt)")
-    try:
-        return AudioGenerateRequest.model_validate(data)
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors())
-        raise RequestError(message, param) from None
+    return validated(AudioGenerateRequest, data)
 
 
 def audio_pipeline(engine: AsyncOmni | None) -> Any:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -41,7 +41,15 @@ from starlette.types import Scope
 
 from omnistage.engine.diffusion.params import DiffusionParams
 from omnistage.entrypoints.openai.protocol import MAX_N
-from omnistage.entrypoints.openai.serving import Fanout, Release, check_model, raise_if_failed, run_admitted
+from omnistage.entrypoints.openai.serving import (
+    Fanout,
+    Release,
+    check_model,
+    raise_if_failed,
+    run_admitted,
+    validated,
+    with_extra_body,
+)
 from omnistage.errors import RequestError
 from omnistage.media import MediaBudget, MediaLimits, RemotePolicy, aload_part, decode_image
 from omnistage.media.source import too_large
@@ -70,6 +78,17 @@ class LoraSpec(BaseModel):
     scale: float = Field(1.0, ge=-10, le=10)
     path_2: str | None = Field(None, min_length=1)
     scale_2: float = Field(1.0, ge=-10, le=10)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_text(cls, value: Any) -> Any:
+        """ComfyUI and multipart clients send the object as a JSON string."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError(f"lora must be an object or a JSON object string (got {value[:60]!r})") from None
+        return value
 
     @model_validator(mode="after")
     def _has_a_path(self) -> LoraSpec:
@@ -111,40 +130,15 @@ class ImageFields(BaseModel):
     vae_use_slicing: bool | None = None
     vae_use_tiling: bool | None = None
 
-    @field_validator("lora", mode="before")
-    @classmethod
-    def _lora_json(cls, value: Any) -> Any:
-        """ComfyUI and multipart clients send the object as a JSON string."""
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except ValueError:
-                raise ValueError(f"lora must be an object or a JSON object string (got {value[:60]!r})") from None
-        return value
-
     @classmethod
     def parse(cls, data: Any) -> ImageFields:
         """`data` (a JSON object) with its `extra_body` merged in; a wrong type is a 400 naming the field."""
-        from omnistage.entrypoints.openai.server import validation_message  # server.py includes this module
-
         if not isinstance(data, dict):
             raise RequestError("request body must be a JSON object")
-        extra = data.get("extra_body")
-        if isinstance(extra, str):
-            try:
-                extra = json.loads(extra)
-            except ValueError:
-                raise RequestError("extra_body must be a JSON object", "extra_body") from None
-        if extra is not None and not isinstance(extra, dict):
-            raise RequestError("extra_body must be an object", "extra_body")
-        data = {**data, **(extra or {})}
+        data = with_extra_body(data)
         if "num_outputs_per_prompt" in data:  # vLLM-Omni's name of n
             data["n"] = data.pop("num_outputs_per_prompt")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            message, param = validation_message(exc.errors())
-            raise RequestError(message, param) from None
+        return validated(cls, data)
 
     def dimensions(self, first_input: Any = None, multiple: int = 1) -> tuple[int | None, int | None]:
         """(width, height) from `size` and/or `width` / `height`, which must agree when both are given. `size`

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import codecs
 import itertools
+import json
 import logging
 import re
 import struct
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from omnistage.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -69,6 +70,33 @@ class ModelNotFound(RequestError):
 
 
 # ---------------------------------------------------------------- request -> OmniRequests
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def with_extra_body(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with its `extra_body` (an object, or its JSON text from a form) merged in; its keys win."""
+    extra = data.get("extra_body")
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except ValueError:
+            raise RequestError("extra_body must be a JSON object", "extra_body") from None
+    if extra is not None and not isinstance(extra, dict):
+        raise RequestError("extra_body must be an object", "extra_body")
+    return {**data, **(extra or {})}
+
+
+def validated(model: type[M], data: dict[str, Any]) -> M:
+    """`model` validated from `data`; a wrong type or value is a 400 naming the field."""
+    from omnistage.entrypoints.openai.server import validation_message  # server.py includes this module
+
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise RequestError(message, param) from None
 
 
 def check_model(names: Sequence[str], model: str | None) -> str:

@@ -26,13 +26,20 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage.engine.diffusion.params import DiffusionParams
 from omnistage.entrypoints.openai.images import LoraSpec
-from omnistage.entrypoints.openai.serving import Fanout, check_model, raise_if_failed, run_admitted
+from omnistage.entrypoints.openai.serving import (
+    Fanout,
+    check_model,
+    raise_if_failed,
+    run_admitted,
+    validated,
+    with_extra_body,
+)
 from omnistage.entrypoints.openai.video_jobs import JobsBusy, VideoJob, VideoJobStore, new_job_id, owner_of
 from omnistage.errors import OmniError, RequestError, StageError
 from omnistage.media import MediaBudget, MediaLimits, RemotePolicy, aload_part, decode_image
@@ -98,34 +105,10 @@ class VideoFields(BaseModel):
                 raise ValueError(f"seconds must be a number of seconds, e.g. '4' (got {value[:40]!r})") from None
         return value
 
-    @field_validator("lora", mode="before")
-    @classmethod
-    def _lora_json(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except ValueError:
-                raise ValueError(f"lora must be an object or a JSON object string (got {value[:60]!r})") from None
-        return value
-
     @classmethod
     def parse(cls, data: dict[str, Any]) -> VideoFields:
         """`data` with its `extra_body` merged in; a wrong type is a 400 naming the field."""
-        from omnistage.entrypoints.openai.server import validation_message  # server.py includes this module
-
-        extra = data.get("extra_body")
-        if isinstance(extra, str):
-            try:
-                extra = json.loads(extra)
-            except ValueError:
-                raise RequestError("extra_body must be a JSON object", "extra_body") from None
-        if extra is not None and not isinstance(extra, dict):
-            raise RequestError("extra_body must be an object", "extra_body")
-        try:
-            return cls.model_validate({**data, **(extra or {})})
-        except ValidationError as exc:
-            message, param = validation_message(exc.errors())
-            raise RequestError(message, param) from None
+        return validated(cls, with_extra_body(data))
 
     def dimensions(self) -> tuple[int | None, int | None]:
         width, height = self.width, self.height

@@ -50,6 +50,16 @@ class OmniPipeline(TextPipeline):
     # ---- the caller's request -> the thinker's input ------------------------------------------
 
     def preprocess(self, request: OmniRequest) -> StageInput:
+        inp, voice = self.thinker_input(request)
+        t2w = request.stage_params.get("token2wav")
+        seed = t2w.seed if t2w is not None and t2w.seed is not None else request.options.get("seed", 0)
+        request.pipeline_state[HANDOFF] = OmniHandoff(inp, voice, seed)
+        return inp
+
+    def thinker_input(self, request: OmniRequest) -> tuple[StageInput, str | None]:
+        """The thinker's input (the chat template over the messages with their media, under the speech system prompt
+        when speech is asked for without a system message; the processor's features and layout tensors) and the
+        voice a speech request speaks with."""
         speech = "audio" in request.output_modalities
         voice = self.voice_named(request.options.get("voice")) if speech else None
         use_audio_in_video = bool(request.options.get("use_audio_in_video", False))
@@ -71,10 +81,7 @@ class OmniPipeline(TextPipeline):
         tensors["use_audio_in_video"] = torch.tensor(use_audio_in_video)
         inp = StageInput(request.request_id, ids, params=self.entry_params(request), tensors=tensors,
                          return_hidden_states=speech)
-        t2w = request.stage_params.get("token2wav")
-        seed = t2w.seed if t2w is not None and t2w.seed is not None else request.options.get("seed", 0)
-        request.pipeline_state[HANDOFF] = OmniHandoff(inp, voice, seed)
-        return inp
+        return inp, voice
 
     def _split_media(
         self, request: OmniRequest, use_audio_in_video: bool

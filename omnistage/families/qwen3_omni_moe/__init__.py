@@ -25,8 +25,8 @@ from omnistage.engine.ar.engine import ARAdvanced, AREngine
 from omnistage.engine.generation.engine import GenerationEngine
 from omnistage.families import hf
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
-from omnistage.families.causal_lm import ar_engine, template_error, template_kwargs
-from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT, OmniPipeline
+from omnistage.families.causal_lm import ar_engine
+from omnistage.families.qwen2_5_omni import OmniPipeline
 from omnistage.families.qwen3_omni_moe import models
 from omnistage.sampling_params import SamplingParams
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
@@ -44,30 +44,9 @@ class Qwen3OmniPipeline(OmniPipeline):
     speaker_ids: dict[str, int] | None = None  # voice name -> the talker's codec id for it
 
     def preprocess(self, request: OmniRequest) -> StageInput:
-        """The thinker's input: the chat template over the messages with their media (for speech without a system
-        message, under the system prompt Qwen's examples speak with, Qwen2.5-Omni's), the processor's features and
-        layout tensors."""
-        speech = "audio" in request.output_modalities
-        voice = self.voice_named(request.options.get("voice")) if speech else None
-        use_audio_in_video = bool(request.options.get("use_audio_in_video", False))
-        messages, media, media_kwargs = self._split_media(request, use_audio_in_video)
-        if speech and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": SPEECH_SYSTEM_PROMPT}]})
-        try:
-            text = self.processor.apply_chat_template(messages, tokenize=False, **template_kwargs(request.options))
-            batch = self.processor(
-                text=[text], audio=media.get("audio") or None, images=media.get("image") or None,
-                videos=media.get("video") or None, return_tensors="pt", padding=False,
-                **{**(request.options.get("mm_processor_kwargs") or {}), **media_kwargs},
-            )
-        except (ValueError, TypeError, KeyError) as exc:  # the messages' shape or media, not the server
-            raise template_error(exc) from None
-        tensors = {k: v[0] if k == "input_ids" else v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        ids = tensors.pop("input_ids").tolist()
-        tensors.pop("attention_mask", None)
-        tensors["use_audio_in_video"] = torch.tensor(use_audio_in_video)
-        inp = StageInput(request.request_id, ids, params=self.entry_params(request), tensors=tensors,
-                         return_hidden_states=speech)
+        """The thinker's input as Qwen2.5-Omni's (for speech without a system message, under the system prompt Qwen's
+        examples speak with, Qwen2.5-Omni's), and this family's handoff."""
+        inp, voice = self.thinker_input(request)
         request.pipeline_state[HANDOFF] = Handoff(inp, voice)
         return inp
 
