@@ -6,6 +6,7 @@ kernels.py: that would shadow the `kernels` package transformers probes for, bre
     python benchmarks/kernel_bench.py decode-attention --splits 2,4,8   # paged decode attention: 1 pass vs split-K
     python benchmarks/kernel_bench.py draw                              # the fused draw at a codec vocabulary
     python benchmarks/kernel_bench.py dit-flops                         # DiT FLOPs (CPU) and precision bounds
+    python benchmarks/kernel_bench.py moe                               # Qwen3-Omni MoE layer: fused vs transformers
     python benchmarks/kernel_bench.py token2wav --tiny                  # streamed windows (CPU with --tiny)
 
 Kernel A/B switches are flags that set the package's module settings (`omnistage.kernels.*`): `--no-pdl`,
@@ -414,6 +415,51 @@ def cmd_token2wav(args: argparse.Namespace) -> None:
                    ms_per_step=round(1000 * seconds, 1), audio_s_per_s=round(audio_s / seconds, 2))
 
 
+def cmd_moe(args: argparse.Namespace) -> None:
+    """Qwen3-Omni's thinker MoE layer (full size, bf16): transformers' block with its expert loop ("eager") and
+    with torch's grouped GEMM ("grouped_mm") against `FusedSparseMoe` on the same weights, eager calls (the
+    transformers paths sync the host) and, for the fused block, one CUDA graph of calls."""
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
+
+    from omnistage.families.qwen3_omni_moe.models import FusedSparseMoe
+
+    dev = torch.device("cuda")
+    record = recorder(args.out)
+    blocks = {}
+    for impl in ("eager", "grouped_mm"):
+        cfg = Qwen3OmniMoeTextConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                                     num_experts_per_tok=8, norm_topk_prob=True)
+        cfg._experts_implementation = impl
+        with torch.device(dev):
+            blocks[impl] = m.Qwen3OmniMoeThinkerTextSparseMoeBlock(cfg).bfloat16().eval().requires_grad_(False)
+    g = torch.Generator(dev).manual_seed(0)
+    with torch.no_grad():
+        for p in blocks["eager"].parameters():
+            p.copy_(torch.randn(p.shape, generator=g, device=dev) * p.shape[-1] ** -0.5)
+        blocks["grouped_mm"].load_state_dict(blocks["eager"].state_dict())
+    fused = FusedSparseMoe(blocks["eager"])
+
+    def eager_us(fn: Callable[[], object], calls: int = 20) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e6 / calls
+
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn(1, tokens, 2048, device=dev, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            row = {name: round(eager_us(lambda b=block, x=x: b(x)), 1) for name, block in blocks.items()}
+            row["fused"] = round(eager_us(lambda x=x: fused(x)), 1)
+            row["fused_graph"] = round(time_graph([lambda x=x: fused(x)] * 8), 1)
+        record(bench="moe_layer", layer="qwen3_omni_thinker", tokens=tokens, us_per_call=row,
+               fused_graph_vs_grouped_mm=round(row["grouped_mm"] / row["fused_graph"], 2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -462,6 +508,9 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="the tiny checkpoint's config (CPU)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="DiT precisions: float32, bfloat16, tf32")
     p.add_argument("--no-exact-gemm", action="store_true", help="exact_gemm.ENABLED = False: cuBLAS float32")
+    p = command("moe", cmd_moe, "Qwen3-Omni's full-size thinker MoE layer: transformers' expert loop and grouped_mm "
+                "against omnistage's fused Triton experts")
+    p.add_argument("--tokens", default="1,8,32,64,256,2048")
     args = ap.parse_args()
     pdl.set_enabled(not args.no_pdl)
     if getattr(args, "no_preload", False):

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 
 import torch
+
+# The transformers baselines run transformers' own modules: its default Hub-kernel swap fetches kernels at load
+# time, which the GPU machine (no network) cannot, and which omnistage's loads never do.
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 
 
 def recorder(out: str | None) -> Callable[..., None]:

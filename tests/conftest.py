@@ -6,6 +6,8 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# References run transformers' own modules (its default swap for Hub kernels would fetch them at load time).
+os.environ["USE_HUB_KERNELS"] = "0"
 # Without a GPU, Triton kernels run in Triton's interpreter (must be set before triton is imported).
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -14,6 +14,10 @@ from omnistage.engine.base import Engine
 from omnistage.errors import RequestError
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
+# transformers' from_pretrained swaps layers for Hub kernels by default, fetched at load time: offline machines
+# fail, and the modules would no longer be the ones the parity tests pin. Every transformers model load passes this.
+TRANSFORMERS_LOAD: dict[str, Any] = {"use_kernels": False}
+
 # Turns stage i's output (a delta, or the merged whole when not streaming) into stage j's input.
 Handoff = Callable[[OmniRequest, StageOutput], "StageInput | None"]
 

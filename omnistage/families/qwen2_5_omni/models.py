@@ -38,6 +38,7 @@ from omnistage.engine.generation.graphs import BatchGraphs
 from omnistage.engine.transfer import HostCopy, to_device
 from omnistage.errors import RequestError
 from omnistage.families import hf
+from omnistage.families.base import TRANSFORMERS_LOAD
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 from omnistage.families.qwen2_5_omni.dit import DiTSolver
 from omnistage.families.qwen2_5_omni.vocoder import DTYPES as VOCODER_DTYPES
@@ -91,6 +92,7 @@ def load_part(cls: Any, path: Path, config: Any, dtype: torch.dtype, device: tor
     hf_logging.set_verbosity_error()  # the other parts' weights are expected to be left unread
     try:
         model = cls.from_pretrained(path, config=config, dtype=dtype, attn_implementation=hf.ATTN_IMPL,
+                                    **TRANSFORMERS_LOAD,
                                     **({"device_map": device} if direct else {}))
     finally:
         hf_logging.set_verbosity(verbosity)

@@ -29,6 +29,7 @@ import torch
 
 from omnistage.engine.diffusion.params import DiffusionParams
 from omnistage.engine.schedulers.flow_match import FlowMatch, FlowMatchConfig, Schedule
+from omnistage.families.base import TRANSFORMERS_LOAD
 from omnistage.families.diffusion import component_config
 
 VARIANTS = {"QwenImagePipeline": "t2i", "QwenImageEditPipeline": "edit", "QwenImageEditPlusPipeline": "edit-plus"}
@@ -89,7 +90,7 @@ class QwenImageModel:
 
                 self.processor = Qwen2VLProcessor.from_pretrained(path / "processor")
             self.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                path / "text_encoder", dtype=dtype).to(device).eval()
+                path / "text_encoder", dtype=dtype, **TRANSFORMERS_LOAD).to(device).eval()
         if parts != "encoders":
             self.transformer = QwenImageTransformer2DModel.from_pretrained(
                 path / "transformer", torch_dtype=dtype).to(device).eval()

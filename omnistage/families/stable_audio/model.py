@@ -32,6 +32,7 @@ import torch
 
 from omnistage.engine.diffusion.params import DiffusionParams
 from omnistage.engine.schedulers.diffusers_sampler import DiffusersSampler
+from omnistage.families.base import TRANSFORMERS_LOAD
 from omnistage.families.diffusion import component_config
 
 StableAudioKey = tuple[int, int]  # the output's [start, end) samples within the decoded window
@@ -77,7 +78,8 @@ class StableAudioModel:
         self.config = audio_config(path)
         if parts != "dit":
             self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-            self.text_encoder = T5EncoderModel.from_pretrained(path / "text_encoder", dtype=dtype).to(device).eval()
+            self.text_encoder = T5EncoderModel.from_pretrained(path / "text_encoder", dtype=dtype,
+                                                               **TRANSFORMERS_LOAD).to(device).eval()
             self.projection = StableAudioProjectionModel.from_pretrained(path / "projection_model", torch_dtype=dtype)
             self.projection = self.projection.to(device).eval()
         if parts != "encoders":

@@ -36,6 +36,7 @@ import torch
 
 from omnistage.engine.diffusion.params import DiffusionParams
 from omnistage.engine.schedulers.diffusers_sampler import DiffusersSampler
+from omnistage.families.base import TRANSFORMERS_LOAD
 from omnistage.families.diffusion import component_config
 
 WanKey = tuple[int, int, int, int]  # (latent frames, latent height, latent width, text length)
@@ -72,7 +73,8 @@ class WanModel:
         self.offload_idle_expert = offload_idle_expert and self.two_experts
         if parts != "dit":
             self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-            self.text_encoder = UMT5EncoderModel.from_pretrained(path / "text_encoder", dtype=dtype).to(device).eval()
+            self.text_encoder = UMT5EncoderModel.from_pretrained(path / "text_encoder", dtype=dtype,
+                                                                 **TRANSFORMERS_LOAD).to(device).eval()
         if parts != "encoders" or self.image_input or self.expand_timesteps:
             # The Wan VAE runs in float32, as its authors and diffusers' examples run it.
             self.vae = AutoencoderKLWan.from_pretrained(path / "vae", torch_dtype=torch.float32).to(device).eval()

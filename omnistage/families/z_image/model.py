@@ -27,6 +27,7 @@ import torch
 
 from omnistage.engine.diffusion.params import DiffusionParams
 from omnistage.engine.schedulers.flow_match import FlowMatch, FlowMatchConfig, Schedule
+from omnistage.families.base import TRANSFORMERS_LOAD
 from omnistage.families.diffusion import component_config
 
 ZImageKey = tuple[int, int]  # (latent height, latent width); caption lengths are padded per batch
@@ -49,7 +50,8 @@ class ZImageModel:
         self.device, self.dtype, self.compute_dtype = device, torch.float32, dtype
         if parts != "dit":
             self.tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-            self.text_encoder = AutoModel.from_pretrained(path / "text_encoder", dtype=dtype).to(device).eval()
+            self.text_encoder = AutoModel.from_pretrained(path / "text_encoder", dtype=dtype,
+                                                          **TRANSFORMERS_LOAD).to(device).eval()
         if parts != "encoders":
             self.transformer = ZImageTransformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype)
             self.transformer = self.transformer.to(device).eval()

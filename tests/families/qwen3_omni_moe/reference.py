@@ -18,6 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# code2wav's float32 waveforms across window and batch shapes: within 1e-5 on the CPU; on a GPU cuDNN picks its
+# convolution algorithms per shape and runs them in TF32 (torch's default for convolutions), so TF32's bound.
+AUDIO_ATOL = 1e-5 if DEVICE == "cpu" else 2e-4
+
 
 @dataclass
 class HFReference:
@@ -38,15 +43,18 @@ def media_inputs(messages: list[dict[str, Any]]) -> dict[str, list]:
 
 
 def run_hf(path: str, messages: list[dict[str, Any]], thinker_tokens: int, frames: int, voice: str,
-           media: dict[str, Any] | None = None, use_audio_in_video: bool = False) -> HFReference:
-    """`media`: the processor's media arguments (default: the messages' decoded parts)."""
+           media: dict[str, Any] | None = None, use_audio_in_video: bool = False,
+           device: str = DEVICE) -> HFReference:
+    """`media`: the processor's media arguments (default: the messages' decoded parts). `device`: where
+    transformers runs: by default where omnistage's stages run by default, since transformers' own greedy codes
+    on the tiny checkpoint differ between CPU and GPU (float32 on both)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor
 
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).to(device).eval()
     processor = Qwen3OmniMoeProcessor.from_pretrained(path)
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     batch = processor(text=[text], return_tensors="pt", padding=False,
-                      **(media if media is not None else media_inputs(messages)))
+                      **(media if media is not None else media_inputs(messages))).to(device)
     caught: list[torch.Tensor] = []
     decode = model.code2wav.chunked_decode
 
@@ -63,7 +71,8 @@ def run_hf(path: str, messages: list[dict[str, Any]], thinker_tokens: int, frame
             thinker_do_sample=False, thinker_eos_token_id=eos, talker_do_sample=False,
             talker_max_new_tokens=frames + 1, use_audio_in_video=use_audio_in_video)
     (codes,) = caught
-    return HFReference(sequences[0, batch["input_ids"].shape[1] :].tolist(), codes[0], wav.reshape(-1).float())
+    return HFReference(sequences[0, batch["input_ids"].shape[1] :].tolist(), codes[0].cpu(),
+                       wav.reshape(-1).float().cpu())
 
 
 def tone(seconds: float, hz: float, rate: int = 16000) -> np.ndarray:

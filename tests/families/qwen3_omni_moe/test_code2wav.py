@@ -17,6 +17,8 @@ from omnistage import Omni, SamplingParams
 from omnistage.families.qwen3_omni_moe import models
 from omnistage.types import OmniOutput, OmniRequest, StageInput
 
+from .reference import AUDIO_ATOL
+
 FRAMES = 60
 
 
@@ -105,4 +107,4 @@ def test_streamed_speech_through_the_server_stages(tiny_qwen3_omni: str) -> None
     audio = [d.audio for d in deltas if d.audio is not None and len(d.audio)]
     assert len(audio) == 1 + -(-(20 - 3) // 5)
     assert whole.error is None and all(d.error is None for d in deltas)
-    np.testing.assert_allclose(np.concatenate(audio), whole.audio, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(audio), whole.audio, rtol=0, atol=AUDIO_ATOL)

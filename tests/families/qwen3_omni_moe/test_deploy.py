@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from omnistage.config.deploy import Advanced, load_deploy_config
 from omnistage.engine.ar.engine import ARAdvanced
@@ -25,6 +26,7 @@ def test_shipped_configs_load(name: str) -> None:
                        {"thinker": "0", "talker": "0", "code2wav": "0"})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the defaults without a GPU")
 def test_cpu_defaults(tiny_qwen3_omni: str, tmp_path: Path) -> None:
     """Without a GPU every stage runs on the CPU (no devices, no GPU dtype); a thinker-only checkpoint keeps the
     thinker's section alone."""
