@@ -39,7 +39,7 @@ from omnistage.engine.transfer import to_device
 from omnistage.errors import ConfigError
 from omnistage.families import hf
 from omnistage.families.qwen2_5_omni.models import _media_layout, _scatter
-from omnistage.families.qwen3_tts.talker import CodePredictor, subtalker_draw
+from omnistage.families.qwen3_tts.talker import CodePredictor, subtalker_draw, subtalker_graph_draw
 from omnistage.kernels import moe
 from omnistage.types import StageInput
 
@@ -95,10 +95,9 @@ class ThinkerLM(hf.HFCausalLM):
         for encoder in (thinker.model.audio_tower, thinker.model.visual):  # whole media items, not the paged cache
             encoder.config._attn_implementation = "sdpa"
         self.thinker = thinker
-        # no CUDA graphs: the fused MoE blocks (CUDA) have no host sync, but capturing a whole step is not verified
-        self.graph_safe = False
-        if moe.available(self.device):
-            fuse_moe(decoder, thinker.config.text_config)
+        # CUDA graphs with the fused MoE blocks (no host sync, shapes fixed by the token count); transformers'
+        # expert loops read the routing back to the host, so without the kernels every step runs eagerly
+        self.graph_safe = moe.available(self.device) and fuse_moe(decoder, thinker.config.text_config) > 0
         self.hidden = thinker.config.text_config.hidden_size
         self.deepstack = len(thinker.config.vision_config.deepstack_visual_indexes)
         self.num_layers = thinker.config.text_config.num_hidden_layers
@@ -188,15 +187,16 @@ def assistant_start(prompt_ids: list[int], im_start: int, assistant: int) -> int
 
 
 class TalkerLM(hf.HFCausalLM):
-    """The talker's MoE decoder (first codebook) with the code predictor (the others) in `after_sample`."""
+    """The talker's MoE decoder (first codebook) with the code predictor (the others) in `after_sample`, and its
+    graph form `after_sample_graph` (captured per decode bucket even when the decoder is not graph-safe)."""
+
+    graph_embed_adds = True  # every generated position adds a row (reply text, or tts_pad): its graphs take them
 
     def __init__(self, talker: nn.Module, predictor: CodePredictor, text_rows: dict[str, torch.Tensor],
                  config: Any, top: Any):
         super().__init__(talker, talker.config, decoder=talker.model, lm_head=talker.codec_head, plain_loop=True)
         self.talker, self.predictor, self.cfg, self.top = talker, predictor, config, top
-        self.graph_safe = False  # `after_sample` steps take the host path (and see ThinkerLM)
-        if moe.available(self.device):
-            fuse_moe(talker.model, talker.config.text_config)
+        self.graph_safe = moe.available(self.device) and fuse_moe(talker.model, talker.config.text_config) > 0
         self._text_rows = text_rows  # thinker embeddings of tts_pad / tts_bos / tts_eos (host, thinker width)
         self._rows: dict[str, torch.Tensor] = {}
         self.media_ids = [config.audio_token_id, config.image_token_id, config.video_token_id]
@@ -273,6 +273,16 @@ class TalkerLM(hf.HFCausalLM):
         """Codebooks 1..Q-1 of the step's frames (one batched pass per codebook)."""
         draw = subtalker_draw([x.get("subtalker", SUBTALKER_GREEDY) for x in inputs], generators,
                               self.cfg.code_predictor_config.vocab_size, hidden.device)
+        codes, embed_sum = self.predictor.predict(hidden, self.embed(tokens), draw)
+        return SampleExtras(next_adds=embed_sum, outputs={"codes": torch.cat([tokens[:, None], codes], dim=1)})
+
+    def after_sample_rows(self, inputs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """[n, 4]: each row's code-predictor sampling (`after_sample_graph`'s rows; ARModel)."""
+        return torch.stack([x.get("subtalker", SUBTALKER_GREEDY).float() for x in inputs])
+
+    def after_sample_graph(self, hidden: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> SampleExtras:
+        """`after_sample` for rows without generators, from static tensors (captured in CUDA graphs)."""
+        draw = subtalker_graph_draw(rows, self.cfg.code_predictor_config.vocab_size)
         codes, embed_sum = self.predictor.predict(hidden, self.embed(tokens), draw)
         return SampleExtras(next_adds=embed_sum, outputs={"codes": torch.cat([tokens[:, None], codes], dim=1)})
 

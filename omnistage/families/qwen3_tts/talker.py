@@ -343,11 +343,7 @@ class TalkerLM(hf.HFCausalLM):
         """`after_sample` for rows without generators from static tensors (what the engine captures in CUDA graphs):
         the sampling as device columns (`subtalker_columns`), each codebook's noise drawn from the default generator
         for every row, as `subtalker_draw` draws it when a row samples."""
-        cols = subtalker_columns(rows, self.cfg["code_predictor_config"]["vocab_size"])
-
-        def draw(logits: torch.Tensor) -> torch.Tensor:
-            return choose(logits, cols, lambda probs: torch.empty_like(probs).exponential_())
-
+        draw = subtalker_graph_draw(rows, self.cfg["code_predictor_config"]["vocab_size"])
         codes, embed_sum = self.talker.code_predictor.predict(hidden, self.embed(tokens), draw)
         return SampleExtras(next_adds=embed_sum, outputs={"codes": torch.cat([tokens[:, None], codes], dim=1)})
 
@@ -372,6 +368,13 @@ def subtalker_draw(rows: list[torch.Tensor], generators: list[torch.Generator | 
         return out
 
     return lambda logits: choose(logits, cols, noise)
+
+
+def subtalker_graph_draw(rows: torch.Tensor, vocab: int) -> Any:
+    """`subtalker_draw` for rows [n, 4] on the device without generators, graph-safe: the columns from static
+    tensors, every row's noise from the default generator (each graph replay draws anew)."""
+    cols = subtalker_columns(rows, vocab)
+    return lambda logits: choose(logits, cols, lambda probs: torch.empty_like(probs).exponential_())
 
 
 def subtalker_columns(rows: torch.Tensor, vocab: int) -> SamplingColumns:

@@ -105,6 +105,8 @@ def test_streamed_speech_through_the_server_stages(tiny_qwen3_omni: str) -> None
         omni.orchestrator.submit(request, collect)
         assert done.wait(120)
     audio = [d.audio for d in deltas if d.audio is not None and len(d.audio)]
-    assert len(audio) == 1 + -(-(20 - 3) // 5)
+    # a window of 3 frames, then windows of 5: as many deltas when code2wav keeps up with the talker, fewer (larger
+    # spans) when the talker runs ahead of it
+    assert 2 <= len(audio) <= 1 + -(-(20 - 3) // 5)
     assert whole.error is None and all(d.error is None for d in deltas)
     np.testing.assert_allclose(np.concatenate(audio), whole.audio, rtol=0, atol=AUDIO_ATOL)

@@ -169,3 +169,17 @@ def test_offload_idle_expert_gives_the_same_video(tiny_wan_t2v: str) -> None:
                                  for d in (DEPLOY, options(offload_idle_expert=True)))
     np.testing.assert_array_equal(resident[-1].videos[0], offloaded[-1].videos[0])
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="moves the experts between the GPU and host memory")
+@pytest.mark.parametrize("switch", ["offload_idle_expert", "cpu_offload"])
+def test_offloading_on_the_gpu_gives_the_resident_video(tiny_wan_t2v: str, switch: str) -> None:
+    """On a GPU the idle expert goes to host memory between switches (or every module streams in as it runs):
+    the same video as with both experts resident (float32, the same kernels on the same rows)."""
+    p = replace(SMALL, num_inference_steps=4, guidance_scale=4.0, guidance_scale_2=2.0)
+    gpu = {"dtype": "float32", "devices": "0"}
+    resident, offloaded = ({"worker_backend": "inline", "stages": {"*": {**gpu, "options": o}}}
+                           for o in ({}, {switch: True}))
+    (a,), (b,) = (generate(tiny_wan_t2v, [video_request(p)], d) for d in (resident, offloaded))
+    assert a[-1].error is None and b[-1].error is None, (a[-1].error, b[-1].error)
+    np.testing.assert_allclose(b[-1].videos[0], a[-1].videos[0], rtol=0, atol=1e-5)
