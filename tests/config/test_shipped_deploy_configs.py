@@ -6,22 +6,27 @@ from pathlib import Path
 
 import pytest
 
-from omnistage.config.deploy import load_deploy_config
+from omnistage.config.deploy import Advanced, load_deploy_config
 from omnistage.engine.ar.engine import ARAdvanced
 from omnistage.families.qwen2_5_omni import CONFIGS as OMNI_PACKAGED
 from omnistage.families.qwen2_5_omni import Token2WavAdvanced, Token2WavOptions
+from omnistage.families.qwen3_omni_moe import CONFIGS as OMNI3_PACKAGED
+from omnistage.families.qwen3_omni_moe import Code2WavOptions
 
 ROOT = Path(__file__).parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
-PACKAGED = {"qwen2_5_omni": OMNI_PACKAGED}
-KINDS = {"thinker": ARAdvanced, "talker": ARAdvanced, "token2wav": Token2WavAdvanced, "lm": ARAdvanced}
+PACKAGED = {"qwen2_5_omni": OMNI_PACKAGED, "qwen3_omni_moe": OMNI3_PACKAGED}
+KINDS = {"thinker": ARAdvanced, "talker": ARAdvanced, "token2wav": Token2WavAdvanced, "lm": ARAdvanced,
+         "code2wav": Advanced}
+OPTIONS = {"token2wav": Token2WavOptions, "code2wav": Code2WavOptions}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_config_loads(path: Path) -> None:
     config = load_deploy_config(path)
     assert config.stages and all(name in KINDS for name in config.stages)
-    config.check_stages({name: KINDS[name] for name in config.stages}, options={"token2wav": Token2WavOptions})
+    config.check_stages({name: KINDS[name] for name in config.stages},
+                        options={name: OPTIONS[name] for name in config.stages if name in OPTIONS})
 
 
 @pytest.mark.parametrize("family", sorted(PACKAGED))
