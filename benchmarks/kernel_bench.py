@@ -422,7 +422,7 @@ def cmd_moe(args: argparse.Namespace) -> None:
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
 
-    from omnistage.families.qwen3_omni_moe.models import FusedSparseMoe
+    from omnistage.families.moe import FusedSparseMoe
 
     dev = torch.device("cuda")
     record = recorder(args.out)

@@ -98,14 +98,16 @@ def make_tokenizer(
 CAUSAL_LM_ARCHS = ("qwen2", "qwen3", "llama")  # what make_tiny_causal_lm builds (and the tests sweep)
 # Also built, for the tests that need them: a sparse MoE decoder, written by transformers in the released
 # per-expert layout (`experts.<i>.gate_proj.weight`, ...).
-MOE_ARCHS = {"qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)}
+MOE_ARCHS = {"qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+             "qwen2_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                               shared_expert_intermediate_size=64)}
 
 
 def _config(arch: str, tokenizer: Any, overrides: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     classes = dict(zip(CAUSAL_LM_ARCHS, (Qwen2Config, Qwen3Config, LlamaConfig), strict=True))
-    classes["qwen3_moe"] = Qwen3MoeConfig
+    classes["qwen3_moe"], classes["qwen2_moe"] = Qwen3MoeConfig, Qwen2MoeConfig
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; expected one of {list(classes)}")
     overrides = {**MOE_ARCHS.get(arch, {}), **overrides}

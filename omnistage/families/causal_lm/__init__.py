@@ -18,6 +18,8 @@ from omnistage.errors import ConfigError, RequestError
 from omnistage.families import hf, tensor_parallel
 from omnistage.families.base import CheckpointInfo, Pipeline, StageSpec
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
+from omnistage.families.moe import MOE_DECODERS, fuse_moe
+from omnistage.kernels import moe as moe_kernels
 from omnistage.sampling_params import SamplingParams
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
@@ -172,7 +174,13 @@ def causal_lm_model(model: Any, config: Any) -> hf.HFCausalLM:
     """Wrap an HF causal LM for the AR engine, with the fused forward where its layers allow."""
     decoder = model.get_decoder()
     fused = FusedDecoder(decoder) if FusedDecoder.supports(decoder) else None
-    return hf.HFCausalLM(model, config, fused.forward if fused else None)
+    lm = hf.HFCausalLM(model, config, fused.forward if fused else None)
+    text = config.get_text_config()
+    if text.model_type in MOE_DECODERS and moe_kernels.available(lm.device) and fuse_moe(decoder, text):
+        # the fused MoE blocks never sync the host: the layer loop runs in CUDA graphs (transformers' own blocks
+        # read the routing back, so without the kernels the whole decoder runs eagerly)
+        lm.plain_loop = lm.graph_safe = True
+    return lm
 
 
 def context_length(config: Any, configured: int | None) -> int:

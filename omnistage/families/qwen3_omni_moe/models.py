@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.ar.attention import AttentionMetadata
@@ -38,6 +37,7 @@ from omnistage.engine.generation.engine import Results
 from omnistage.engine.transfer import to_device
 from omnistage.errors import ConfigError
 from omnistage.families import hf
+from omnistage.families.moe import fuse_moe
 from omnistage.families.qwen2_5_omni.models import _media_layout, _scatter
 from omnistage.families.qwen3_tts.talker import CodePredictor, subtalker_draw, subtalker_graph_draw
 from omnistage.kernels import moe
@@ -46,39 +46,6 @@ from omnistage.types import StageInput
 SAMPLE_RATE = 24000
 SUBTALKER_GREEDY = torch.tensor([0.0, 1.0, 50.0, 0.8])  # [do_sample, temperature, top_k, top_p] of the code predictor
 SUBTALKER_SAMPLED = torch.tensor([1.0, 1.0, 50.0, 0.8])  # transformers' draw when the talker samples
-
-
-class FusedSparseMoe(nn.Module):
-    """transformers' sparse MoE block (the thinker's, or the talker's with its sigmoid-gated shared expert) with
-    its experts on `moe.fused_experts`: the block's own router weights, expert tensors and shared expert (same
-    submodule names, so the same state dict), routed as its router routes (`moe.route`)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.gate, self.experts = block.gate, block.experts
-        self.shared_expert = getattr(block, "shared_expert", None)
-        self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        weights, ids = moe.route(F.linear(x, self.gate.weight), self.gate.top_k, self.gate.norm_topk_prob)
-        out = moe.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.view(hidden_states.shape)
-
-
-def fuse_moe(decoder: nn.Module, config: Any) -> int:
-    """Swap the decoder's sparse MoE blocks for `FusedSparseMoe` (SiLU experts; what the kernels compute).
-    Returns how many were swapped."""
-    if config.hidden_act != "silu":
-        return 0
-    swapped = 0
-    for layer in decoder.layers:
-        if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate"):
-            layer.mlp = FusedSparseMoe(layer.mlp)
-            swapped += 1
-    return swapped
 
 
 class ThinkerLM(hf.HFCausalLM):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import omnistage.families.qwen3_omni_moe as family
 import omnistage.kernels.moe as moe
 from omnistage import Omni
-from omnistage.families.qwen3_omni_moe.models import FusedSparseMoe, fuse_moe
+from omnistage.families.moe import FusedSparseMoe, fuse_moe
 
 from .reference import run_hf
 from .test_parity import DEPLOY, FRAMES, PARAMS, TEXT, THINKER_TOKENS, for_speech
