@@ -46,6 +46,7 @@ from omnistage.engine.diffusion.accelerate import Accelerator
 from omnistage.engine.diffusion.encoder import COND, PROMPT_TOKENS, UNCOND, branch, encode_requests, is_encoded
 from omnistage.engine.diffusion.lora import LoraKey, LoraManager
 from omnistage.engine.diffusion.params import DiffusionOptions, DiffusionParams
+from omnistage.engine.parallel import GroupLost
 from omnistage.errors import OmniError
 from omnistage.types import StageInput, StageOutput
 
@@ -236,6 +237,8 @@ class DiffusionEngine:
         self.waiting.clear()
         self.running.clear()
         self.failed.clear()
+        if hasattr(self.model, "close"):  # a parallel group: its follower processes
+            self.model.close()
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -305,6 +308,8 @@ class DiffusionEngine:
             self._step(jobs)
             finished = [job for job in jobs if job.done == job.schedule.num_steps]
             images = self._decode(finished)
+        except GroupLost:  # a rank of a parallel group is gone: the stage restarts
+            raise
         except Exception as exc:  # a failed step fails its batch, not the stage
             logger.exception("stage %s: step failed", self.name)
             error = self._error(exc)

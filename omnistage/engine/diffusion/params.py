@@ -130,3 +130,6 @@ class DiffusionOptions(BaseModel):
         "the directory LoRA adapters may be loaded from (a request's lora.path is resolved inside it); "
         "None: requests that name a LoRA are refused"))
     max_loras: int = Field(8, ge=1, description="LoRA adapters kept loaded at once (least recently used unloaded)")
+    cfg_parallel: bool = Field(False, description=(
+        "split every DiT forward over two ranks (one process each; devices names 2 GPUs, or \"cpu\"): with CFG, "
+        "rank 0 runs the positive rows and rank 1 the negative ones; text encoders and VAE stay on rank 0"))
