@@ -5,12 +5,18 @@ no rank ever holds the whole model: q/k/v and gate/up are column-parallel (this 
 and its slice of the intermediate size), o and down row-parallel, the embedding and LM head vocab-parallel. Each
 rank reads its slices straight from the safetensors files. Attention sees its per-rank head counts through the
 shapes (transformers' attention modules infer the head count from the projection width), and the KV cache per
-rank holds kv_heads / world heads. Decoders whose forward is the plain embed -> layers -> norm loop only.
+rank holds kv_heads / world heads. Decoders whose forward is the plain embed -> layers -> norm loop only. MoE
+experts in transformers' fused layout split their intermediate size too (every rank a slice of every expert, the
+router whole), their blocks' partial outputs all-reduced (`reduce_expert_blocks`). The decoder may be a part of a
+bigger model (an omni thinker's text decoder beside its media encoders, under the checkpoint's `thinker.` prefix):
+only that part and the LM head shard, the rest stays whole on the ranks that build it (`load_sharded`), and a model
+that prepares its own inputs on rank 0 gets its token embeddings through the group (`PreparingTPModel`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +31,25 @@ from omnistage.engine.ar.parallel import TPGroup, TPModel, launch
 from omnistage.engine.ar.tp_layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from omnistage.errors import ConfigError
 from omnistage.families import hf
+from omnistage.types import StageInput
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
 
 
-def check_shardable(config: PretrainedConfig, world: int, where: str) -> None:
-    """A ConfigError naming the field unless `world` ranks can split this decoder evenly."""
+def check_shardable(config: PretrainedConfig, world: int, where: str,
+                    decoders: Collection[str] = hf._PLAIN_DECODERS) -> None:
+    """A ConfigError naming the field unless `world` ranks can split this decoder (one of the model types
+    `decoders`) evenly."""
     text = config.get_text_config()
-    if text.model_type not in hf._PLAIN_DECODERS:
-        raise ConfigError(f"{where}: tensor parallelism supports {', '.join(sorted(hf._PLAIN_DECODERS))} decoders, "
+    if text.model_type not in decoders:
+        raise ConfigError(f"{where}: tensor parallelism supports {', '.join(sorted(decoders))} decoders, "
                           f"not {text.model_type!r}; set it to 1")
     sizes = {"attention heads": text.num_attention_heads,
              "key/value heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
              "intermediate size": text.intermediate_size}
+    if getattr(text, "num_experts", 0):
+        sizes["expert intermediate size"] = text.moe_intermediate_size
     for what, size in sizes.items():
         if size % world:
             raise ConfigError(f"{where}: {world} does not divide the model's {size} {what}; choose a divisor of "
@@ -60,38 +71,91 @@ def stage_devices(devices: str | None, world: int, where: str) -> list[torch.dev
     return out
 
 
-def _shard(model: nn.Module, text: PretrainedConfig, group: TPGroup, dtype: torch.dtype) -> dict[str, tuple[int, int]]:
-    """Replace the model's projections, embedding and head by this rank's shards (on the meta device); returns
-    parameter name -> (split dim, rows or columns per rank) for the loader."""
+def _shard(root: nn.Module, decoder: nn.Module, head: str, text: PretrainedConfig, group: TPGroup,
+           dtype: torch.dtype) -> dict[str, tuple[int, int]]:
+    """Replace the decoder's projections and embedding, and root's LM head (at attribute path `head`), by this
+    rank's shards (on the meta device); returns parameter name in `root` -> (split dim, rows or columns per rank)
+    for the loader. Only the decoder's linears are touched: a bigger root's other parts (media encoders, whose
+    projections may share the names) stay whole."""
     n = group.world
+    prefix = {id(m): name for name, m in root.named_modules()}[id(decoder)]
+    prefix = f"{prefix}." if prefix else ""
     split: dict[str, tuple[int, int]] = {}
-    for name, module in list(model.named_modules()):
+    for name, module in list(decoder.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if not isinstance(module, nn.Linear) or leaf not in _COLUMN + _ROW:
             continue
-        parent = model.get_submodule(name.rsplit(".", 1)[0])
-        bias = module.bias is not None
+        parent = decoder.get_submodule(name.rsplit(".", 1)[0])
+        key, bias = prefix + name, module.bias is not None
         if leaf in _COLUMN:
             new: nn.Module = nn.Linear(module.in_features, module.out_features // n, bias=bias, dtype=dtype)
-            split[f"{name}.weight"] = (0, module.out_features // n)
+            split[f"{key}.weight"] = (0, module.out_features // n)
             if bias:
-                split[f"{name}.bias"] = (0, module.out_features // n)
+                split[f"{key}.bias"] = (0, module.out_features // n)
         else:
             new = RowParallelLinear(module.in_features, module.out_features, bias, group, dtype)
-            split[f"{name}.weight"] = (1, module.in_features // n)
+            split[f"{key}.weight"] = (1, module.in_features // n)
         setattr(parent, leaf, new)
-    names = {id(m): name for name, m in model.named_modules()}
-    decoder = model.get_decoder()
-    embed_name = names[id(decoder.embed_tokens)]
-    head_name = names[id(model.get_output_embeddings())]
-    embed = VocabParallelEmbedding(text.vocab_size, text.hidden_size, group, dtype)
-    head = ParallelLMHead(text.vocab_size, text.hidden_size, group, dtype)
-    decoder.embed_tokens = embed
-    model.set_output_embeddings(head)
-    if getattr(text, "tie_word_embeddings", False) or getattr(model.config, "tie_word_embeddings", False):
-        head.weight = embed.weight
-    split[f"{embed_name}.weight"] = split[f"{head_name}.weight"] = (0, embed.weight.shape[0])
+    for name, module in decoder.named_modules():  # transformers' fused experts: [experts, 2 * inter, hidden] etc.
+        fused = getattr(module, "gate_up_proj", None)
+        if not isinstance(fused, nn.Parameter) or fused.ndim != 3:
+            continue
+        experts, hidden, inter = module.down_proj.shape
+        module.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * (inter // n), hidden, dtype=dtype))
+        module.down_proj = nn.Parameter(torch.empty(experts, hidden, inter // n, dtype=dtype))
+        # the checkpoint's per-expert tensors (hf.load_weights fills the fused ones' views): gate / up rows, down
+        # columns
+        split[f"{prefix}{name}.gate_up_proj"] = (0, inter // n)
+        split[f"{prefix}{name}.down_proj"] = (1, inter // n)
+    decoder.embed_tokens = VocabParallelEmbedding(text.vocab_size, text.hidden_size, group, dtype)
+    owner, _, leaf = head.rpartition(".")
+    setattr(root.get_submodule(owner), leaf, ParallelLMHead(text.vocab_size, text.hidden_size, group, dtype))
+    split[f"{prefix}embed_tokens.weight"] = split[f"{head}.weight"] = (0, decoder.embed_tokens.weight.shape[0])
     return split
+
+
+def load_sharded(root: nn.Module, decoder: nn.Module, head: str, text: PretrainedConfig, group: TPGroup,
+                 dtype: torch.dtype, path: Path, prefix_map: dict[str, str] | None = None) -> None:
+    """Shard `decoder` (a part of `root`, built on the meta device) and root's LM head at `head` for this rank,
+    materialize what is still on the meta device on the group's device (parts of root built there already keep
+    their tensors), and read root's weights, this rank's slices of the sharded ones, from the checkpoint at `path`
+    (its keys renamed by `prefix_map`, as in hf.load_weights: a decoder inside a bigger checkpoint)."""
+    with torch.device("meta"):
+        split = _shard(root, decoder, head, text, group, dtype)
+    for module in root.modules():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if any(t.is_meta for t in own):
+            module.to_empty(device=group.device, recurse=False)
+    lm_head = root.get_submodule(head)
+    tied = getattr(text, "tie_word_embeddings", False) or getattr(getattr(root, "config", None),
+                                                                  "tie_word_embeddings", False)
+    if tied:  # after materializing, which gives every module new tensors of its own
+        lm_head.weight = decoder.embed_tokens.weight
+    with torch.device(group.device):  # its tables are buffers that are not in the checkpoint
+        decoder.rotary_emb = type(decoder.rotary_emb)(config=text)
+    hf.load_weights(root, path, prefix_map, shard=_slicer(split, group.rank))
+    root.eval().requires_grad_(False)
+
+
+def reduce_expert_blocks(decoder: nn.Module, group: TPGroup) -> int:
+    """All-reduce the output of each of the decoder's sparse MoE blocks (those with `experts`): each rank's
+    experts hold its slice of every expert's intermediate size (routing replicated: every rank routes the same
+    tokens to the same experts), so a block's output is a partial sum. Call it on the blocks the model will run
+    (after any swap for fused kernels). Returns how many blocks reduce."""
+    blocks = [layer.mlp for layer in decoder.layers if hasattr(layer.mlp, "experts")]
+    for block in blocks:
+        if getattr(block, "shared_expert", None) is not None:  # its row-parallel down projection reduces itself
+            raise ConfigError("tensor parallelism does not cover MoE blocks with a shared expert; set "
+                              "tensor_parallel_size to 1")
+        block.register_forward_hook(lambda module, args, out: group.all_reduce(out))
+    return len(blocks)
+
+
+def sharded_kv(lm: hf.HFCausalLM, text: PretrainedConfig, world: int) -> hf.HFCausalLM:
+    """`lm` (a shard) with its KV spec cut to this rank's share of the KV heads."""
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    lm.kv_spec = KVSpec(lm.kv_spec.num_layers, kv_heads // world, lm.kv_spec.head_dim, lm.kv_spec.dtype)
+    return lm
 
 
 def _slicer(split: dict[str, tuple[int, int]], rank: int) -> Any:
@@ -118,17 +182,24 @@ def load_shard(path: Path, dtype_name: str, group: TPGroup) -> hf.HFCausalLM:
     dtype = hf.resolve_dtype(dtype_name, config, group.device)
     with torch.device("meta"), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=hf.ATTN_IMPL)
-        split = _shard(model, text, group, dtype)
-    model.to_empty(device=group.device)
-    decoder = model.get_decoder()
-    with torch.device(group.device):  # its tables are buffers that are not in the checkpoint
-        decoder.rotary_emb = type(decoder.rotary_emb)(config=text)
-    hf.load_weights(model, path, shard=_slicer(split, group.rank))
-    model.eval().requires_grad_(False)
-    lm = hf.HFCausalLM(model, config, plain_loop=True)
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    lm.kv_spec = KVSpec(lm.kv_spec.num_layers, kv_heads // group.world, lm.kv_spec.head_dim, lm.kv_spec.dtype)
-    return lm
+    names = {id(m): name for name, m in model.named_modules()}
+    load_sharded(model, model.get_decoder(), names[id(model.get_output_embeddings())], text, group, dtype, path)
+    return sharded_kv(hf.HFCausalLM(model, config, plain_loop=True), text, group.world)
+
+
+class PreparingTPModel(TPModel):
+    """Rank 0's view of a group whose model completes its own inputs (`prepare_input`, e.g. an omni thinker's
+    media encoders and rotary positions, on rank 0 alone): the token embeddings it needs there come through the
+    group's `embed` (each rank holds a slice of the vocabulary)."""
+
+    def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
+        return self.local.prepare_input(inp, first, embed=self.embed)
+
+
+def launch_preparing(build: Callable[[TPGroup], Any], devices: list[torch.device]) -> PreparingTPModel:
+    """`launch`, seen as a PreparingTPModel (rank 0's `build(group)` returns a model with a `prepare_input(inp,
+    first, embed)`)."""
+    return launch(build, devices, PreparingTPModel)
 
 
 def launch_causal_lm(path: Path, dtype_name: str, devices: str | None, world: int, where: str) -> TPModel:

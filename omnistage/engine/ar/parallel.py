@@ -75,13 +75,15 @@ class TPModel:
         self.ranks.close()
 
 
-def launch(build: Callable[[TPGroup], Any], devices: list[torch.device]) -> TPModel:
+def launch(build: Callable[[TPGroup], Any], devices: list[torch.device], view: type[TPModel] | None = None
+           ) -> TPModel:
     """Start ranks 1.. of a group over `devices` (one each) as spawned processes, join as rank 0, and build every
-    rank's shard with `build(group)` (a picklable callable: the followers call it too). Raises if a follower
-    fails to load or does not report within `TIMEOUT_S`."""
+    rank's shard with `build(group)` (a picklable callable: the followers call it too). `view`: rank 0's class for
+    the group (a TPModel subclass adding what its model needs). Raises if a follower fails to load or does not
+    report within `TIMEOUT_S`."""
     ranks = start(build, serve, devices, "tensor-parallel")
     try:
-        model = TPModel(build(ranks.group), ranks)
+        model = (view or TPModel)(build(ranks.group), ranks)
         ranks.wait_ready()
     except BaseException:
         ranks.kill()

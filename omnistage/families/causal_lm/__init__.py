@@ -164,7 +164,7 @@ def ar_engine(
     defaults for the stage's `advanced` block."""
     if cfg.tensor_parallel_size > 1 and not isinstance(model, TPModel):
         raise ConfigError(f"stages.{stage}.tensor_parallel_size: this stage runs on one device only (tensor "
-                          "parallelism covers causal-LM stages so far); set it to 1")
+                          "parallelism covers causal-LM stages and the omni thinkers); set it to 1")
     engine_cfg = AREngineConfig.from_stage(cfg, context_length(config, cfg.max_model_len), hidden_state_layers,
                                            tuned, where=f"stages.{stage}.advanced")
     return AREngine(stage, model, engine_cfg, tokenizer, eos_token_ids)

@@ -19,8 +19,8 @@ from omnistage.config.deploy import Advanced, DeployConfig, parse_section
 from omnistage.devices import resolve_device
 from omnistage.engine.ar.engine import ARAdvanced, AREngine
 from omnistage.engine.generation.engine import GenerationEngine
-from omnistage.errors import RequestError
-from omnistage.families import hf
+from omnistage.errors import ConfigError, RequestError
+from omnistage.families import hf, tensor_parallel
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
 from omnistage.families.causal_lm import TextPipeline, ar_engine, template_error, template_kwargs
 from omnistage.families.qwen2_5_omni import models
@@ -36,6 +36,7 @@ SPEECH_SYSTEM_PROMPT = (
 # Speech allowed per text token the thinker may write: several times what the trained model speaks, so only
 # runaway talking (random weights, a talker that misses its end code) is cut.
 SECONDS_PER_TEXT_TOKEN = 1.0
+THINKER_DECODERS = ("qwen2_5_omni_text",)  # the thinker's text decoder: Qwen2 layers, M-RoPE
 _MEDIA_TENSORS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid", "use_audio_in_video")
 
 
@@ -144,12 +145,18 @@ class OmniPipeline(TextPipeline):
         dev = resolve_device(device or cfg.devices)
         if stage == "thinker":
             thinker_cfg = self.config.thinker_config
-            dtype = hf.resolve_dtype(cfg.dtype, thinker_cfg.text_config, dev)
-            model = models.ThinkerLM(models.load_part(Qwen2_5OmniThinkerForConditionalGeneration, self.model_path,
-                                                      thinker_cfg, dtype, dev))
+            if cfg.tensor_parallel_size > 1:  # the plain HF layer loop on every rank (no fused decoder, no graphs)
+                where = f"stages.{stage}.tensor_parallel_size"
+                ranks = tensor_parallel.stage_devices(device or cfg.devices, cfg.tensor_parallel_size, where)
+                model = tensor_parallel.launch_preparing(
+                    functools.partial(models.load_thinker_shard, Path(self.model_path), cfg.dtype), ranks)
+            else:
+                dtype = hf.resolve_dtype(cfg.dtype, thinker_cfg.text_config, dev)
+                model = models.ThinkerLM(models.load_part(Qwen2_5OmniThinkerForConditionalGeneration,
+                                                          self.model_path, thinker_cfg, dtype, dev))
             eos = hf.eos_token_ids(self.model_path, thinker_cfg.text_config, self.tokenizer)
             return ar_engine(stage, cfg, model, thinker_cfg.text_config, self.tokenizer, eos,
-                             {"embed": 0, "last": model.num_layers})
+                             {"embed": 0, "last": thinker_cfg.text_config.num_hidden_layers})
         if stage == "talker":
             talker_cfg = self.config.talker_config
             dtype = hf.resolve_dtype(cfg.dtype, talker_cfg, dev)
@@ -398,6 +405,12 @@ class Qwen25OmniFamily:
         ]
         with models.thinker_ids_unflagged():
             pipeline.config = Qwen2_5OmniConfig.from_pretrained(info.path)
+        if (ranks := deploy.stage("thinker").tensor_parallel_size) > 1:  # only the thinker's text decoder shards
+            tensor_parallel.check_shardable(pipeline.config.thinker_config.text_config, ranks,
+                                            "stages.thinker.tensor_parallel_size", THINKER_DECODERS)
+        if deploy.stage("talker").tensor_parallel_size > 1:
+            raise ConfigError("invalid deploy config: stages.talker.tensor_parallel_size: the talker runs on one "
+                              "device (tensor parallelism covers the thinker); set it to 1")
         pipeline.processor = Qwen2_5OmniProcessor.from_pretrained(info.path)
         pipeline.tokenizer = pipeline.processor.tokenizer
         voices = models.load_voices(info.path)

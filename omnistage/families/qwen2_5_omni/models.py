@@ -33,11 +33,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers.initialization import no_init_weights
 
+from omnistage.engine.ar.parallel import TPGroup
 from omnistage.engine.generation.engine import InFlight
 from omnistage.engine.generation.graphs import BatchGraphs
 from omnistage.engine.transfer import HostCopy, to_device
 from omnistage.errors import RequestError
-from omnistage.families import hf
+from omnistage.families import hf, tensor_parallel
 from omnistage.families.base import TRANSFORMERS_LOAD
 from omnistage.families.causal_lm.fused_decoder import FusedDecoder
 from omnistage.families.qwen2_5_omni.dit import DiTSolver
@@ -110,19 +111,22 @@ def checkpoint_rows(path: Path, key: str, rows: list[int]) -> torch.Tensor:
 
 
 class ThinkerLM(hf.HFCausalLM):
-    """The thinker's text decoder, with its media encoders run when a request arrives."""
+    """The thinker's text decoder, with its media encoders run when a request arrives. `fused`: the fused layer
+    loop where the layers allow (not for a tensor-parallel shard, whose layers communicate)."""
 
-    def __init__(self, thinker: nn.Module):
+    def __init__(self, thinker: nn.Module, fused: bool = True):
         decoder = thinker.model.language_model
-        super().__init__(thinker, thinker.config, fused_forward(decoder), decoder=decoder, lm_head=thinker.lm_head,
-                         plain_loop=True)
+        super().__init__(thinker, thinker.config, fused_forward(decoder) if fused else None, decoder=decoder,
+                         lm_head=thinker.lm_head, plain_loop=True)
         for encoder in (thinker.model.audio_tower, thinker.model.visual):  # whole media items, not the paged cache
             encoder.config._attn_implementation = "sdpa"
         self.thinker = thinker
         self.num_layers = thinker.config.text_config.num_hidden_layers
 
     @torch.inference_mode()
-    def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
+    def prepare_input(self, inp: StageInput, first: bool,
+                      embed: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StageInput:
+        """`embed`: the token embedding to use (tensor parallel: the group's, as this rank holds a vocab slice)."""
         if not first:
             return inp
         # Applied on the stage's thread while its previous step may still run: host tensors go over through
@@ -130,7 +134,7 @@ class ThinkerLM(hf.HFCausalLM):
         t, device = inp.tensors, self.device
         host_ids = torch.tensor([inp.token_ids])
         ids = to_device(host_ids, device)
-        embeds = self.embed(ids[0])
+        embeds = (embed or self.embed)(ids[0])
         audio_lengths = None
         if "input_features" in t:
             audio_lengths = t["feature_attention_mask"].sum(-1)
@@ -154,6 +158,57 @@ class ThinkerLM(hf.HFCausalLM):
         inp.rope_positions = positions[:, 0]
         inp.rope_delta = int(deltas.view(-1)[0])
         return inp
+
+
+# The checkpoint's thinker keys -> the thinker module's (transformers nests the text decoder under `language_model`).
+THINKER_KEYS = {"thinker.model.": "model.language_model.", "thinker.audio_tower.": "model.audio_tower.",
+                "thinker.visual.": "model.visual.", "thinker.": ""}
+
+
+def load_thinker_shard(path: Path, dtype_name: str, group: TPGroup) -> hf.HFCausalLM:
+    """This tensor-parallel rank's thinker (tensor_parallel.py shards it): rank 0 the whole thinker with its text
+    decoder, embedding and LM head sharded, its media encoders whole (only rank 0 runs them); the other ranks only
+    their shard of the text decoder and head."""
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    with thinker_ids_unflagged():
+        config = Qwen2_5OmniConfig.from_pretrained(path).thinker_config
+    text, device = config.text_config, group.device
+    dtype = hf.resolve_dtype(dtype_name, text, device)
+    if group.rank == 0:
+        with torch.device("meta"), no_init_weights():
+            thinker = Qwen2_5OmniThinkerForConditionalGeneration._from_config(config, dtype=dtype,
+                                                                              attn_implementation=hf.ATTN_IMPL)
+        with torch.device(device), no_init_weights():  # real from the start: their tables are unsaved buffers
+            for name, sub in (("audio_tower", config.audio_config), ("visual", config.vision_config)):
+                setattr(thinker.model, name, type(getattr(thinker.model, name))._from_config(sub, dtype=dtype))
+        tensor_parallel.load_sharded(thinker, thinker.model.language_model, "lm_head", text, group, dtype, path,
+                                     THINKER_KEYS)
+        return tensor_parallel.sharded_kv(ThinkerLM(thinker, fused=False), text, group.world)
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniThinkerTextModel
+
+    with torch.device("meta"), no_init_weights():
+        root = ThinkerText(config, Qwen2_5OmniThinkerTextModel, dtype)
+    decoder = root.model.language_model
+    tensor_parallel.load_sharded(root, decoder, "lm_head", text, group, dtype, path, THINKER_KEYS)
+    lm = hf.HFCausalLM(root, text, decoder=decoder, lm_head=root.lm_head, plain_loop=True)
+    return tensor_parallel.sharded_kv(lm, text, group.world)
+
+
+class ThinkerText(nn.Module):
+    """An omni thinker's text decoder (`text_model`, transformers' class) and LM head under the thinker's module
+    names (so the same checkpoint keys load), for the tensor-parallel ranks that run no media encoders."""
+
+    def __init__(self, config: Any, text_model: type, dtype: torch.dtype):
+        super().__init__()
+        text = config.text_config
+        self.config = config  # the thinker's, as on rank 0 (whether the head is tied)
+        self.model = nn.Module()
+        self.model.language_model = text_model._from_config(text, dtype=dtype, attn_implementation=hf.ATTN_IMPL)
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
+
+    def tie_weights(self) -> None:
+        """Nothing to do (hf.load_weights asks): tensor_parallel.load_sharded ties a tied head itself."""
 
 
 def _media_layout(tensors: dict[str, torch.Tensor], names: tuple[str, ...]) -> list[torch.Tensor | None]:

@@ -23,11 +23,12 @@ from omnistage.config.deploy import Advanced, DeployConfig, parse_section
 from omnistage.devices import resolve_device
 from omnistage.engine.ar.engine import ARAdvanced, AREngine
 from omnistage.engine.generation.engine import GenerationEngine
-from omnistage.families import hf
+from omnistage.errors import ConfigError
+from omnistage.families import hf, tensor_parallel
 from omnistage.families.base import CheckpointInfo, Edge, StageSpec
 from omnistage.families.causal_lm import ar_engine
 from omnistage.families.qwen2_5_omni import OmniPipeline
-from omnistage.families.qwen3_omni_moe import models
+from omnistage.families.qwen3_omni_moe import models, parallel
 from omnistage.sampling_params import SamplingParams
 from omnistage.types import OmniOutput, OmniRequest, StageInput, StageOutput
 
@@ -59,9 +60,15 @@ class Qwen3OmniPipeline(OmniPipeline):
         dev = resolve_device(device or cfg.devices)
         if stage == "thinker":
             thinker_cfg = self.config.thinker_config
-            dtype = hf.resolve_dtype(cfg.dtype, thinker_cfg.text_config, dev)
-            model = models.ThinkerLM(load_part(Qwen3OmniMoeThinkerForConditionalGeneration, self.model_path,
-                                               thinker_cfg, dtype, dev))
+            if cfg.tensor_parallel_size > 1:  # transformers' layer loop on every rank (no CUDA graphs)
+                where = f"stages.{stage}.tensor_parallel_size"
+                ranks = tensor_parallel.stage_devices(device or cfg.devices, cfg.tensor_parallel_size, where)
+                model = tensor_parallel.launch_preparing(
+                    functools.partial(parallel.load_thinker_shard, Path(self.model_path), cfg.dtype), ranks)
+            else:
+                dtype = hf.resolve_dtype(cfg.dtype, thinker_cfg.text_config, dev)
+                model = models.ThinkerLM(load_part(Qwen3OmniMoeThinkerForConditionalGeneration, self.model_path,
+                                                   thinker_cfg, dtype, dev))
             eos = hf.eos_token_ids(self.model_path, thinker_cfg.text_config, self.tokenizer)
             return ar_engine(stage, cfg, model, thinker_cfg.text_config, self.tokenizer, eos,
                              {"embed": 0, "hidden": self.config.talker_config.accept_hidden_layer})
@@ -220,6 +227,12 @@ class Qwen3OmniMoeFamily:
         deploy.check_stages({"thinker": ARAdvanced, **({"talker": ARAdvanced, "code2wav": Advanced} if speaks else {})},
                             options={"code2wav": Code2WavOptions})
         config = Qwen3OmniMoeConfig.from_pretrained(info.path)
+        if (ranks := deploy.stage("thinker").tensor_parallel_size) > 1:  # only the thinker's text decoder shards
+            tensor_parallel.check_shardable(config.thinker_config.text_config, ranks,
+                                            "stages.thinker.tensor_parallel_size", parallel.THINKER_DECODERS)
+        if speaks and deploy.stage("talker").tensor_parallel_size > 1:
+            raise ConfigError("invalid deploy config: stages.talker.tensor_parallel_size: the talker runs on one "
+                              "device (tensor parallelism covers the thinker); set it to 1")
         stages = [StageSpec("thinker", "ar", ("text",))]
         if speaks:
             stages += [StageSpec("talker", "ar"), StageSpec("code2wav", "generation", ("audio",))]

@@ -25,6 +25,7 @@ parameters, the experts as two grouped GEMMs, no host sync); on the CPU transfor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,13 +99,15 @@ class ThinkerLM(hf.HFCausalLM):
         return hidden[0], layers
 
     @torch.inference_mode()
-    def prepare_input(self, inp: StageInput, first: bool) -> StageInput:
+    def prepare_input(self, inp: StageInput, first: bool,
+                      embed: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StageInput:
+        """`embed`: the model's `embed` to use (tensor parallel: the group's, as this rank holds a vocab slice)."""
         if not first:
             return inp
         t, device, cfg = inp.tensors, self.device, self.thinker.config
         host_ids = torch.tensor([inp.token_ids])
         ids = to_device(host_ids, device)
-        embeds = self.decoder.embed_tokens(ids[0])
+        embeds = embed(ids[0])[:, : self.hidden] if embed is not None else self.decoder.embed_tokens(ids[0])
         audio_lengths = None
         if "input_features" in t:
             audio_lengths = t["feature_attention_mask"].sum(-1)
