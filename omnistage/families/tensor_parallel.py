@@ -31,6 +31,8 @@ from omnistage.engine.ar.parallel import TPGroup, TPModel, launch
 from omnistage.engine.ar.tp_layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from omnistage.errors import ConfigError
 from omnistage.families import hf
+from omnistage.families.moe import MOE_DECODERS, fuse_moe
+from omnistage.kernels import moe as moe_kernels
 from omnistage.types import StageInput
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -183,7 +185,12 @@ def load_shard(path: Path, dtype_name: str, group: TPGroup) -> hf.HFCausalLM:
     with torch.device("meta"), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=hf.ATTN_IMPL)
     names = {id(m): name for name, m in model.named_modules()}
-    load_sharded(model, model.get_decoder(), names[id(model.get_output_embeddings())], text, group, dtype, path)
+    decoder = model.get_decoder()
+    load_sharded(model, decoder, names[id(model.get_output_embeddings())], text, group, dtype, path)
+    if text.model_type in MOE_DECODERS:  # every rank its slice of every expert, on the fused kernels on CUDA
+        if moe_kernels.available(group.device):
+            fuse_moe(decoder, text)
+        reduce_expert_blocks(decoder, group)
     return sharded_kv(hf.HFCausalLM(model, config, plain_loop=True), text, group.world)
 
 
@@ -204,5 +211,5 @@ def launch_preparing(build: Callable[[TPGroup], Any], devices: list[torch.device
 
 def launch_causal_lm(path: Path, dtype_name: str, devices: str | None, world: int, where: str) -> TPModel:
     """Check the split, then start the group: rank 0 here, ranks 1.. as follower processes."""
-    check_shardable(AutoConfig.from_pretrained(path), world, where)
+    check_shardable(AutoConfig.from_pretrained(path), world, where, hf._PLAIN_DECODERS | {"qwen3_moe"})
     return launch(functools.partial(load_shard, Path(path), dtype_name), stage_devices(devices, world, where))

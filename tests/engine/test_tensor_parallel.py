@@ -38,7 +38,8 @@ def greedy(path: str, tp: int, stats: dict | None = None, **stage: object) -> li
 
 
 # qwen2: tied embeddings and q/k/v biases; llama: an untied LM head; qwen3: per-head q/k norms
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+# qwen3_moe: every rank a slice of every expert, the sparse blocks' outputs all-reduced
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "qwen3_moe"])
 def test_tp2_gives_tp1_greedy_tokens(arch: str) -> None:
     path = str(tiny_checkpoint(arch))
     expected = greedy(path, 1)
