@@ -27,7 +27,7 @@ import torch
 from omnistage.config.deploy import Advanced, DeployConfig, parse_section
 from omnistage.devices import resolve_device
 from omnistage.engine.base import Engine
-from omnistage.engine.diffusion import DiffusionEngine, DiffusionModel, DiffusionOptions, DiffusionParams
+from omnistage.engine.diffusion import DiffusionEngine, DiffusionModel, DiffusionOptions, DiffusionParams, ulysses
 from omnistage.engine.diffusion import parallel as cfg_parallel
 from omnistage.engine.diffusion.encoder import PromptEncoder
 from omnistage.engine.generation.engine import GenerationEngine
@@ -165,12 +165,18 @@ class ImagePipeline(Pipeline):
         # Offloaded weights are loaded into CPU memory; the engine streams them to `dev` as they run.
         offload = bool(cfg.options.get("cpu_offload")) and dev.type != "cpu"
         parts = "dit" if len(self.stages) > 1 else "all"
-        if cfg.options.get("cfg_parallel"):  # rank 1 holds the DiT (and VAE) only; see engine/diffusion/parallel.py
+        if cfg.options.get("ulysses_degree"):  # N rank processes run the DiT; see engine/diffusion/ulysses.py
+            options = parse_section(self.options_class, cfg.options, f"stages.{stage}.options")
+            devices = ulysses.devices_of(device or cfg.devices, ulysses.check(options, stage, self.model_path), stage)
+            model: Any = ulysses.launch(functools.partial(self.load_model, dtype=dtype, parts="dit"),
+                                        functools.partial(self.load_model, dtype=dtype, parts=parts),
+                                        devices, options, stage)
+        elif cfg.options.get("cfg_parallel"):  # rank 1 holds the DiT (and VAE) only; see engine/diffusion/parallel.py
             options = parse_section(self.options_class, cfg.options, f"stages.{stage}.options")
             devices = cfg_parallel.devices_of(device or cfg.devices, stage)
-            model: Any = cfg_parallel.launch(functools.partial(self.load_model, dtype=dtype, parts="dit"),
-                                             functools.partial(self.load_model, dtype=dtype, parts=parts),
-                                             devices, options, stage)
+            model = cfg_parallel.launch(functools.partial(self.load_model, dtype=dtype, parts="dit"),
+                                        functools.partial(self.load_model, dtype=dtype, parts=parts),
+                                        devices, options, stage)
         else:
             model = self.load_model(torch.device("cpu") if offload else dev, dtype, parts)
         model.device = dev

@@ -133,3 +133,8 @@ class DiffusionOptions(BaseModel):
     cfg_parallel: bool = Field(False, description=(
         "split every DiT forward over two ranks (one process each; devices names 2 GPUs, or \"cpu\"): with CFG, "
         "rank 0 runs the positive rows and rank 1 the negative ones; text encoders and VAE stay on rank 0"))
+    ulysses_degree: int | None = Field(None, ge=2, description=(
+        "Ulysses sequence parallelism: every DiT forward runs on this many ranks (one process each; devices names "
+        "as many GPUs, or \"cpu\"), each on a slice of the sequence, the attention heads re-sharded by all-to-all "
+        "(diffusers' context parallelism; DiTs with a context-parallel plan: Qwen-Image, FLUX, Wan); it must "
+        "divide the DiT's attention heads. Text encoders and VAE stay in the stage's process"))
