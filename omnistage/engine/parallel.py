@@ -91,7 +91,7 @@ class Followers:
 
     def wait_ready(self) -> None:
         for rank, (proc, conn) in enumerate(self.procs, start=1):
-            _expect(conn, proc, rank, "ready", self.what)
+            expect(conn, proc, rank, "ready", self.what)
 
     def close(self) -> None:
         """Stop the followers (each leaves its loop and exits); one that does not within a few seconds is killed."""
@@ -132,7 +132,7 @@ def start(build: Callable[[RankGroup], Any], serve: Serve, devices: list[torch.d
         procs.append((proc, parent))
     try:
         for rank, (proc, conn) in enumerate(procs, start=1):
-            _expect(conn, proc, rank, "started", what)  # a follower that cannot start fails here, not in the rendezvous
+            expect(conn, proc, rank, "started", what)  # a follower that cannot start fails here, not in the rendezvous
         return Followers(RankGroup(0, world, store, devices[0]), procs, store, what)
     except BaseException:
         for proc, _ in procs:
@@ -153,8 +153,8 @@ def receive(group: RankGroup, conn: Any) -> Call | None:
     return op, tensors, extra
 
 
-def _expect(conn: Any, proc: mp.Process, rank: int, status: str, what: str) -> None:
-    """Wait for a follower's `status` message, failing early if its process ends first."""
+def expect(conn: Any, proc: mp.Process, rank: int, status: str, what: str) -> Any:
+    """Wait for a rank's `status` message and return its detail, failing early if its process ends first."""
     waited = 0.0
     while not conn.poll(0.5):
         waited += 0.5
@@ -166,6 +166,7 @@ def _expect(conn: Any, proc: mp.Process, rank: int, status: str, what: str) -> N
     got, detail = conn.recv()
     if got != status:
         raise RuntimeError(f"{what} rank {rank} failed to load: {detail}")
+    return detail
 
 
 def _follower_main(build: Callable[[RankGroup], Any], serve: Serve, rank: int, world: int, port: int, device: str,

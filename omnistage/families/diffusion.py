@@ -167,13 +167,14 @@ class ImagePipeline(Pipeline):
         parts = "dit" if len(self.stages) > 1 else "all"
         if cfg.options.get("ulysses_degree"):  # N rank processes run the DiT; see engine/diffusion/ulysses.py
             options = parse_section(self.options_class, cfg.options, f"stages.{stage}.options")
-            devices = ulysses.devices_of(device or cfg.devices, ulysses.check(options, stage, self.model_path), stage)
+            degree = ulysses.check(options, stage, self.model_path)
+            devices = cfg_parallel.rank_devices(device or cfg.devices, degree, f"stages.{stage}.options.ulysses_degree")
             model: Any = ulysses.launch(functools.partial(self.load_model, dtype=dtype, parts="dit"),
                                         functools.partial(self.load_model, dtype=dtype, parts=parts),
                                         devices, options, stage)
         elif cfg.options.get("cfg_parallel"):  # rank 1 holds the DiT (and VAE) only; see engine/diffusion/parallel.py
             options = parse_section(self.options_class, cfg.options, f"stages.{stage}.options")
-            devices = cfg_parallel.devices_of(device or cfg.devices, stage)
+            devices = cfg_parallel.rank_devices(device or cfg.devices, 2, f"stages.{stage}.options.cfg_parallel")
             model = cfg_parallel.launch(functools.partial(self.load_model, dtype=dtype, parts="dit"),
                                         functools.partial(self.load_model, dtype=dtype, parts=parts),
                                         devices, options, stage)

@@ -133,7 +133,7 @@ def test_a_two_expert_video_model() -> None:
 
 
 @pytest.mark.parametrize("checkpoint, stage, match", [
-    ("flux", {"devices": "0"}, r"stages\.dit\.options\.ulysses_degree 2 needs 2 devices.*'0'"),
+    ("flux", {"devices": "0"}, r"stages\.dit\.options\.ulysses_degree needs exactly 2 devices.*'0'"),
     ("flux", {"options": {"ulysses_degree": 3}}, r"ulysses_degree: 3 does not divide the DiT's 2 attention heads"),
     ("qwen", {}, r"ulysses_degree: 2 does not divide the DiT's 1 attention heads"),
     ("z_image", {}, r"ulysses_degree: not available for this model: its DiT \(ZImageTransformer2DModel\)"),

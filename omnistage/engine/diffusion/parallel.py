@@ -26,7 +26,7 @@ import torch
 
 from omnistage.engine.diffusion.accelerate import Accelerator
 from omnistage.engine.diffusion.params import DiffusionOptions
-from omnistage.engine.parallel import Followers, RankGroup, receive, start
+from omnistage.engine.parallel import RankGroup, receive, start
 from omnistage.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -39,16 +39,24 @@ _REFUSED = {  # options that act on rank 0's DiT alone, so rank 1's rows would n
 }
 
 
-class CFGParallelModel:
-    """Rank 0's model with its `velocity` split over the two ranks; every other attribute is rank 0's model's."""
+class RankedModel:
+    """The stage's model with its `velocity` run by a group of ranks (`ranks`, closed with the model); every other
+    attribute is the stage's own model's."""
 
-    def __init__(self, local: Any, ranks: Followers):
+    def __init__(self, local: Any, ranks: Any):
         self.local, self.ranks = local, ranks
 
     def __getattr__(self, name: str) -> Any:
         if name in ("local", "ranks"):  # not set yet (e.g. while unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.local, name)
+
+    def close(self) -> None:
+        self.ranks.close()
+
+
+class CFGParallelModel(RankedModel):
+    """Rank 0's model with its `velocity` split over the two ranks (`ranks`: the Followers of engine/parallel.py)."""
 
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
                  key: Hashable) -> torch.Tensor:
@@ -69,9 +77,6 @@ class CFGParallelModel:
             raise RuntimeError(f"{WHAT} rank 1's forward failed (its log has the error)")
         both = self.ranks.collective(lambda: group.all_gather(out, dim=0))
         return both[:n]  # rank 1's share is padded to k rows
-
-    def close(self) -> None:
-        self.ranks.close()
 
 
 def _run(model: Any, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
@@ -107,17 +112,18 @@ def _follower(load: Callable[[torch.device], Any], options: DiffusionOptions, st
     return model
 
 
-def devices_of(devices: str | None, stage: str) -> list[torch.device]:
-    """The two ranks' devices from the stage's `devices` ("0,1", or "cpu": both on the CPU)."""
+def rank_devices(devices: str | None, world: int, option: str) -> list[torch.device]:
+    """One device per rank from a stage's `devices` (`world` GPU ids, or "cpu": every rank on the CPU); `option`
+    (e.g. "stages.dit.options.cfg_parallel") names what asks for them in the errors."""
     listed = [d.strip() for d in (devices or "").split(",") if d.strip()]
     if listed == ["cpu"]:
-        return [torch.device("cpu")] * 2
-    if len(listed) != 2 or "cpu" in listed:
-        raise ConfigError(f"stages.{stage}.options.cfg_parallel needs exactly 2 devices, one per rank; devices is "
-                          f"{devices!r}: set it to two GPU ids, e.g. \"0,1\", or to \"cpu\"")
+        return [torch.device("cpu")] * world
+    if len(listed) != world or "cpu" in listed:
+        raise ConfigError(f"{option} needs exactly {world} devices, one per rank; devices is {devices!r}: set it "
+                          f"to {world} GPU ids, e.g. {','.join(map(str, range(world)))!r}, or to \"cpu\"")
     if max(int(d) for d in listed) >= torch.cuda.device_count():
-        raise ConfigError(f"stages.{stage}.options.cfg_parallel: devices {devices!r} names a GPU this host does not "
-                          f"have ({torch.cuda.device_count()} GPUs)")
+        raise ConfigError(f"{option}: devices {devices!r} names a GPU this host does not have "
+                          f"({torch.cuda.device_count()} GPUs)")
     return [torch.device(f"cuda:{d}") for d in listed]
 
 

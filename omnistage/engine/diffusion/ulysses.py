@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from omnistage.engine.diffusion.accelerate import Accelerator
+from omnistage.engine.diffusion.parallel import RankedModel
 from omnistage.engine.diffusion.params import DiffusionOptions
-from omnistage.engine.parallel import TIMEOUT_S, GroupLost
+from omnistage.engine.parallel import TIMEOUT_S, GroupLost, expect
 from omnistage.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -76,37 +77,12 @@ def check(options: DiffusionOptions, stage: str, model_path: Path) -> int:
     return degree
 
 
-def devices_of(devices: str | None, degree: int, stage: str) -> list[torch.device]:
-    """The ranks' devices from the stage's `devices` (N GPU ids, or "cpu": every rank on the CPU)."""
-    listed = [d.strip() for d in (devices or "").split(",") if d.strip()]
-    if listed == ["cpu"]:
-        return [torch.device("cpu")] * degree
-    if len(listed) != degree or "cpu" in listed:
-        raise ConfigError(f"stages.{stage}.options.ulysses_degree {degree} needs {degree} devices, one per rank; "
-                          f"devices is {devices!r}: set it to {degree} GPU ids, or to \"cpu\"")
-    if max(int(d) for d in listed) >= torch.cuda.device_count():
-        raise ConfigError(f"stages.{stage}.options.ulysses_degree: devices {devices!r} names a GPU this host does "
-                          f"not have ({torch.cuda.device_count()} GPUs)")
-    return [torch.device(f"cuda:{d}") for d in listed]
-
-
-class UlyssesModel:
-    """The stage's model with its `velocity` run by the ranks; every other attribute is the local model's."""
-
-    def __init__(self, local: Any, ranks: _Ranks):
-        self.local, self.ranks = local, ranks
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("local", "ranks"):  # not set yet (e.g. while unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.local, name)
+class UlyssesModel(RankedModel):
+    """The stage's model with its `velocity` run by the ranks (`_Ranks`)."""
 
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor],
                  key: Hashable) -> torch.Tensor:
         return self.ranks.call({"latents": latents, "timesteps": timesteps, "cond": cond}, key)
-
-    def close(self) -> None:
-        self.ranks.close()
 
 
 class _Ranks:
@@ -156,21 +132,7 @@ class _Ranks:
 
     def wait(self, status: str) -> list[Any]:
         """Each rank's detail of its `status` message, in rank order."""
-        details = []
-        for rank, (proc, conn) in enumerate(self.procs):
-            waited = 0.0
-            while not conn.poll(0.5):
-                waited += 0.5
-                if not proc.is_alive():
-                    raise RuntimeError(f"{WHAT} rank {rank} exited (code {proc.exitcode}) before it was {status}; "
-                                       "a script that starts one needs the `if __name__ == \"__main__\":` guard")
-                if waited > TIMEOUT_S:
-                    raise RuntimeError(f"{WHAT} rank {rank} was not {status} within {TIMEOUT_S:.0f}s")
-            got, detail = conn.recv()
-            if got != status:
-                raise RuntimeError(f"{WHAT} rank {rank} failed to load: {detail}")
-            details.append(detail)
-        return details
+        return [expect(conn, proc, rank, status, WHAT) for rank, (proc, conn) in enumerate(self.procs)]
 
     def close(self) -> None:
         """Stop the ranks (each leaves its loop and exits); one that does not within a few seconds is killed."""
