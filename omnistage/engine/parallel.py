@@ -94,18 +94,7 @@ class Followers:
             expect(conn, proc, rank, "ready", self.what)
 
     def close(self) -> None:
-        """Stop the followers (each leaves its loop and exits); one that does not within a few seconds is killed."""
-        for _, conn in self.procs:
-            try:
-                conn.send(("stop", {}, {}))
-            except (BrokenPipeError, OSError):
-                pass
-        for proc, conn in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            conn.close()
+        stop(self.procs, ("stop", {}, {}))
         self.procs = []
 
     def kill(self) -> None:
@@ -151,6 +140,22 @@ def receive(group: RankGroup, conn: Any) -> Call | None:
     tensors = {name: group.broadcast(torch.empty(shape, dtype=dtype, device=group.device))
                for name, (shape, dtype) in sorted(specs.items())}
     return op, tensors, extra
+
+
+def stop(procs: list[tuple[mp.Process, Any]], message: Any) -> None:
+    """Ask each rank process to leave its loop (`message` on its pipe) and exit; one that does not within a few
+    seconds is killed."""
+    for _, conn in procs:
+        try:
+            conn.send(message)
+        except (BrokenPipeError, OSError):
+            pass
+    for proc, conn in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        conn.close()
 
 
 def expect(conn: Any, proc: mp.Process, rank: int, status: str, what: str) -> Any:

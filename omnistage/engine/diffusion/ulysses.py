@@ -35,7 +35,7 @@ import torch.distributed as dist
 from omnistage.engine.diffusion.accelerate import Accelerator
 from omnistage.engine.diffusion.parallel import RankedModel
 from omnistage.engine.diffusion.params import DiffusionOptions
-from omnistage.engine.parallel import TIMEOUT_S, GroupLost, expect
+from omnistage.engine.parallel import TIMEOUT_S, GroupLost, expect, stop
 from omnistage.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -135,16 +135,7 @@ class _Ranks:
         return [expect(conn, proc, rank, status, WHAT) for rank, (proc, conn) in enumerate(self.procs)]
 
     def close(self) -> None:
-        """Stop the ranks (each leaves its loop and exits); one that does not within a few seconds is killed."""
-        for _, conn in self.procs:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send(("stop", None, None))
-        for proc, conn in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            conn.close()
+        stop(self.procs, ("stop", None, None))
         self.procs = []
 
     def kill(self) -> None:

@@ -176,12 +176,7 @@ def load_thinker_shard(path: Path, dtype_name: str, group: TPGroup) -> hf.HFCaus
     text, device = config.text_config, group.device
     dtype = hf.resolve_dtype(dtype_name, text, device)
     if group.rank == 0:
-        with torch.device("meta"), no_init_weights():
-            thinker = Qwen2_5OmniThinkerForConditionalGeneration._from_config(config, dtype=dtype,
-                                                                              attn_implementation=hf.ATTN_IMPL)
-        with torch.device(device), no_init_weights():  # real from the start: their tables are unsaved buffers
-            for name, sub in (("audio_tower", config.audio_config), ("visual", config.vision_config)):
-                setattr(thinker.model, name, type(getattr(thinker.model, name))._from_config(sub, dtype=dtype))
+        thinker = thinker_skeleton(Qwen2_5OmniThinkerForConditionalGeneration, config, dtype, device)
         tensor_parallel.load_sharded(thinker, thinker.model.language_model, "lm_head", text, group, dtype, path,
                                      THINKER_KEYS)
         return tensor_parallel.sharded_kv(ThinkerLM(thinker, fused=False), text, group.world)
@@ -193,6 +188,18 @@ def load_thinker_shard(path: Path, dtype_name: str, group: TPGroup) -> hf.HFCaus
     tensor_parallel.load_sharded(root, decoder, "lm_head", text, group, dtype, path, THINKER_KEYS)
     lm = hf.HFCausalLM(root, text, decoder=decoder, lm_head=root.lm_head, plain_loop=True)
     return tensor_parallel.sharded_kv(lm, text, group.world)
+
+
+def thinker_skeleton(cls: type, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A tensor-parallel rank 0's thinker (transformers' `cls`) on the meta device, for its text decoder to be
+    sharded, with its audio and vision encoders real on `device` from the start (their tables are buffers the
+    checkpoint does not hold)."""
+    with torch.device("meta"), no_init_weights():
+        thinker = cls._from_config(config, dtype=dtype, attn_implementation=hf.ATTN_IMPL)
+    with torch.device(device), no_init_weights():
+        for name, sub in (("audio_tower", config.audio_config), ("visual", config.vision_config)):
+            setattr(thinker.model, name, type(getattr(thinker.model, name))._from_config(sub, dtype=dtype))
+    return thinker
 
 
 class ThinkerText(nn.Module):

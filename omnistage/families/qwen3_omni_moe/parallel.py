@@ -16,7 +16,7 @@ from transformers.initialization import no_init_weights
 from omnistage.engine.ar.parallel import TPGroup
 from omnistage.families import hf, tensor_parallel
 from omnistage.families.moe import fuse_moe
-from omnistage.families.qwen2_5_omni.models import THINKER_KEYS, ThinkerText
+from omnistage.families.qwen2_5_omni.models import THINKER_KEYS, ThinkerText, thinker_skeleton
 from omnistage.families.qwen3_omni_moe import models
 from omnistage.kernels import moe
 
@@ -32,12 +32,7 @@ def load_thinker_shard(path: Path, dtype_name: str, group: TPGroup) -> hf.HFCaus
     text, device = config.text_config, group.device
     dtype = hf.resolve_dtype(dtype_name, text, device)
     if group.rank == 0:
-        with torch.device("meta"), no_init_weights():
-            root = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(config, dtype=dtype,
-                                                                            attn_implementation=hf.ATTN_IMPL)
-        with torch.device(device), no_init_weights():  # real from the start: their tables are unsaved buffers
-            for name, sub in (("audio_tower", config.audio_config), ("visual", config.vision_config)):
-                setattr(root.model, name, type(getattr(root.model, name))._from_config(sub, dtype=dtype))
+        root = thinker_skeleton(Qwen3OmniMoeThinkerForConditionalGeneration, config, dtype, device)
     else:
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextModel
 
