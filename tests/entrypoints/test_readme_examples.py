@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (on a tiny checkpoint in place of /path/to/checkpoint)."""
+"""The Python examples of the README and docs/python.md run as written (on a tiny checkpoint in place of
+/path/to/checkpoint)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "/path/to/checkpoint" in b]
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", ROOT / "docs" / "python.md"]
+BLOCKS = [b for page in PAGES for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+          if "/path/to/checkpoint" in b]
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"example{i}" for i in range(len(BLOCKS))])
@@ -22,4 +25,4 @@ def test_readme_example_runs(block: str, tiny_qwen2: str) -> None:
 
 
 def test_examples_were_found() -> None:
-    assert len(BLOCKS) >= 2
+    assert len(BLOCKS) >= 3  # the README's Omni example, docs/python.md's Omni and AsyncOmni ones
