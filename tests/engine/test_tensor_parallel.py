@@ -46,6 +46,14 @@ def test_tp2_gives_tp1_greedy_tokens(arch: str) -> None:
     assert greedy(path, 2) == expected
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between two GPUs")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_tp2_over_nccl_gives_one_gpus_greedy_tokens(arch: str) -> None:
+    """The same on two GPUs (NCCL; the MoE on the fused kernels), against one GPU's fused decoder and graphs."""
+    path = str(tiny_checkpoint(arch))
+    assert greedy(path, 2, devices="0,1") == greedy(path, 1, devices="0")
+
+
 def test_a_vocabulary_that_does_not_split_evenly(tmp_path: Path) -> None:
     """515 rows: rank 1's slice of the embedding and the head is padded, and the padded logits are cut off."""
     path = str(make_tiny_causal_lm(tmp_path / "odd", "qwen2", vocab_size=515))
