@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from omnistage import Omni
 from omnistage.engine.diffusion import DiffusionEngine, DiffusionParams
@@ -165,3 +166,23 @@ def wait_for(check, timeout: float) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between two GPUs")
+@pytest.mark.parametrize("option", [{"cfg_parallel": True}, {"ulysses_degree": 2}], ids=["cfg_parallel", "ulysses"])
+def test_two_gpus_give_one_gpus_video(option: dict) -> None:
+    """On two GPUs (NCCL), float32: the two-expert Wan video of one GPU, for both parallel paths."""
+    wan = str(tiny_wan("t2v"))
+    def on(devices: str, **options: object) -> dict:
+        return {"worker_backend": "inline", "stages": {"dit": {"dtype": "float32", "devices": devices,
+                                                               "options": options}}}
+
+    pipeline = load_pipeline(wan, on("0"))
+    parallel = load_pipeline(wan, on("0,1", **option)).build_engine("dit")
+    joins = {0: {"a": WAN, "b": replace(WAN, prompt="a dog", seed=6)}}
+    try:
+        want, got = run(pipeline, pipeline.build_engine("dit"), joins), run(pipeline, parallel, joins)
+    finally:
+        parallel.shutdown()
+    for rid in ("a", "b"):
+        np.testing.assert_allclose(got[rid], want[rid], rtol=0, atol=ATOL)
