@@ -203,10 +203,12 @@ class PreparingTPModel(TPModel):
         return self.local.prepare_input(inp, first, embed=self.embed)
 
 
-def launch_preparing(build: Callable[[TPGroup], Any], devices: list[torch.device]) -> PreparingTPModel:
-    """`launch`, seen as a PreparingTPModel (rank 0's `build(group)` returns a model with a `prepare_input(inp,
-    first, embed)`)."""
-    return launch(build, devices, PreparingTPModel)
+def launch_preparing(load_shard: Callable[[Path, str, TPGroup], Any], path: Path, dtype_name: str,
+                     devices: str | None, world: int, where: str) -> PreparingTPModel:
+    """Start the group of a stage whose rank 0 prepares its own inputs (an omni thinker): every rank's model is
+    `load_shard(path, dtype_name, group)`, rank 0's with a `prepare_input(inp, first, embed)`."""
+    return launch(functools.partial(load_shard, Path(path), dtype_name), stage_devices(devices, world, where),
+                  PreparingTPModel)
 
 
 def launch_causal_lm(path: Path, dtype_name: str, devices: str | None, world: int, where: str) -> TPModel:

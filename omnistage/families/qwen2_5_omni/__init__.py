@@ -146,10 +146,9 @@ class OmniPipeline(TextPipeline):
         if stage == "thinker":
             thinker_cfg = self.config.thinker_config
             if cfg.tensor_parallel_size > 1:  # the plain HF layer loop on every rank (no fused decoder, no graphs)
-                where = f"stages.{stage}.tensor_parallel_size"
-                ranks = tensor_parallel.stage_devices(device or cfg.devices, cfg.tensor_parallel_size, where)
-                model = tensor_parallel.launch_preparing(
-                    functools.partial(models.load_thinker_shard, Path(self.model_path), cfg.dtype), ranks)
+                model = tensor_parallel.launch_preparing(models.load_thinker_shard, self.model_path, cfg.dtype,
+                                                         device or cfg.devices, cfg.tensor_parallel_size,
+                                                         f"stages.{stage}.tensor_parallel_size")
             else:
                 dtype = hf.resolve_dtype(cfg.dtype, thinker_cfg.text_config, dev)
                 model = models.ThinkerLM(models.load_part(Qwen2_5OmniThinkerForConditionalGeneration,

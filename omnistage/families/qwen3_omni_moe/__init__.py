@@ -61,10 +61,9 @@ class Qwen3OmniPipeline(OmniPipeline):
         if stage == "thinker":
             thinker_cfg = self.config.thinker_config
             if cfg.tensor_parallel_size > 1:  # transformers' layer loop on every rank (no CUDA graphs)
-                where = f"stages.{stage}.tensor_parallel_size"
-                ranks = tensor_parallel.stage_devices(device or cfg.devices, cfg.tensor_parallel_size, where)
-                model = tensor_parallel.launch_preparing(
-                    functools.partial(parallel.load_thinker_shard, Path(self.model_path), cfg.dtype), ranks)
+                model = tensor_parallel.launch_preparing(parallel.load_thinker_shard, self.model_path, cfg.dtype,
+                                                         device or cfg.devices, cfg.tensor_parallel_size,
+                                                         f"stages.{stage}.tensor_parallel_size")
             else:
                 dtype = hf.resolve_dtype(cfg.dtype, thinker_cfg.text_config, dev)
                 model = models.ThinkerLM(load_part(Qwen3OmniMoeThinkerForConditionalGeneration, self.model_path,

@@ -9,7 +9,6 @@ import pytest
 import torch
 from PIL import Image
 
-import omnistage.families.qwen3_omni_moe as family
 from omnistage import Omni, SamplingParams
 from omnistage.families.qwen2_5_omni import SPEECH_SYSTEM_PROMPT
 
@@ -43,21 +42,6 @@ def for_speech(messages: list[dict]) -> list[dict]:
     if messages[0]["role"] == "system":
         return messages
     return [{"role": "system", "content": [{"type": "text", "text": SPEECH_SYSTEM_PROMPT}]}, *messages]
-
-
-@pytest.fixture
-def caught_codes(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
-    """The talker's frames on their way to code2wav (the real edge runs)."""
-    caught: list[torch.Tensor] = []
-    edge = family.talker_to_code2wav
-
-    def spy(pipeline, request, out):
-        if "codes" in out.tensors:
-            caught.append(out.tensors["codes"])
-        return edge(pipeline, request, out)
-
-    monkeypatch.setattr(family, "talker_to_code2wav", spy)
-    return caught
 
 
 @pytest.mark.parametrize("messages, async_chunk", [(TEXT, False), (TEXT, True), (MULTI_TURN, True),
